@@ -1,0 +1,63 @@
+"""`pp-tp` command line. Each subcommand is one `_add_<name>` (its arguments) and one `_<name>` (its work).
+
+Bad input ends as one `error: ...` line on stderr and exit code 2, never a traceback, and before any
+process group is started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pp_tp.config import JobConfig, format_config, load_config
+from pp_tp.errors import ConfigError
+
+EXIT_BAD_INPUT = 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `pp-tp` console script; returns the process exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser with every subcommand registered; a new subcommand adds its `_add_<name>` below."""
+    parser = argparse.ArgumentParser(prog="pp-tp", description="Pipeline- and tensor-parallel Transformer training.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="command")
+    for add in (_add_check,):
+        add(commands)
+    return parser
+
+
+def add_config_args(parser: argparse.ArgumentParser) -> None:
+    """--config, --world-size and trailing `section.key=value` overrides: every subcommand that reads a job."""
+    parser.add_argument("--config", required=True, help="TOML job file")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="number of ranks to check against (default: $WORLD_SIZE, else the product of the degrees)")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
+                        help="override a TOML value, e.g. parallel.tp=2 parallel.schedule=GPipe")
+
+
+def load_job(args: argparse.Namespace) -> JobConfig:
+    """The validated job named by `add_config_args`' arguments."""
+    return load_config(args.config, args.overrides, args.world_size)
+
+
+def _add_check(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("check", help="validate a job config and print it resolved; starts nothing")
+    add_config_args(parser)
+    parser.set_defaults(run=_check)
+
+
+def _check(args: argparse.Namespace) -> int:
+    print(format_config(load_job(args)), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,59 @@
+"""The device mesh: ("pp", "dp_replicate", "dp_shard", "tp"), NCCL on CUDA, gloo on CPU.
+
+The process group comes from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...), so one
+node and many nodes are the same code path.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from pp_tp.config import ParallelConfig
+from pp_tp.errors import ConfigError
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+def device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_distributed(timeout_s: float = 300.0) -> None:
+    """Initializes the default process group from torchrun's env if nobody did yet.
+
+    The timeout bounds every collective: a dead peer ends the others with an error instead of a hang.
+    """
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise ConfigError("no process group: launch with torchrun (RANK/WORLD_SIZE unset) or call "
+                          "torch.distributed.init_process_group first")
+    if device_type() == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+
+
+def mesh_shape(pcfg: ParallelConfig, world_size: int) -> tuple[int, int, int, int]:
+    """The four degrees with dp_shard = -1 resolved; refuses a product that is not the world size."""
+    others = pcfg.pp * pcfg.dp_replicate * pcfg.tp
+    dp_shard = world_size // others if pcfg.dp_shard == -1 else pcfg.dp_shard
+    shape = (pcfg.pp, pcfg.dp_replicate, dp_shard, pcfg.tp)
+    if dp_shard < 1 or others * dp_shard != world_size:
+        raise ConfigError(f"parallel: pp*dp_replicate*dp_shard*tp = {'*'.join(map(str, shape))} does not match "
+                          f"world size {world_size}; change parallel.dp_shard (or -1 for the rest)")
+    return shape
+
+
+def build_mesh(pcfg: ParallelConfig) -> DeviceMesh:
+    """A 4-D mesh on the default process group (initialized from torchrun's env when needed)."""
+    init_distributed()
+    shape = mesh_shape(pcfg, dist.get_world_size())
+    return init_device_mesh(device_type(), shape, mesh_dim_names=MESH_DIMS)

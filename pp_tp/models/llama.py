@@ -1,0 +1,182 @@
+"""The reference Llama-style decoder: RoPE, RMSNorm, GQA attention via SDPA, SwiGLU MLP.
+
+Layers live in an ``nn.ModuleDict`` keyed by the global layer index, so a parameter keeps its name
+(``layers.7.attention.wq.weight``) whichever pipeline stage ends up holding it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int = 256
+    dim: int = 64
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None
+    ffn_dim: int = 176
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    qk_norm: bool = False
+    attn_bias: bool = False
+    tie_embeddings: bool = False
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+def rope_cache(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
+    """Returns [max_seq_len, head_dim // 2, 2] (cos, sin) in fp32; real-valued so DTensor/compile are happy."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    t = torch.arange(max_seq_len, device=device, dtype=torch.float32)
+    freqs = torch.outer(t, inv)
+    return torch.stack([freqs.cos(), freqs.sin()], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """x: [b, s, h, d]; rotates adjacent pairs of channels."""
+    seq = x.shape[1]
+    cos, sin = rope[:seq, :, 0], rope[:seq, :, 1]  # [s, d/2]
+    xf = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * self.weight.float()).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        hd = args.head_dim
+        self.head_dim = hd
+        self.wq = nn.Linear(args.dim, args.n_heads * hd, bias=args.attn_bias)
+        self.wk = nn.Linear(args.dim, args.kv_heads * hd, bias=args.attn_bias)
+        self.wv = nn.Linear(args.dim, args.kv_heads * hd, bias=args.attn_bias)
+        self.wo = nn.Linear(args.n_heads * hd, args.dim, bias=args.attn_bias)
+        self.q_norm = RMSNorm(hd, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(hd, args.norm_eps) if args.qk_norm else None
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # Head counts come from the (possibly tensor-parallel) projection widths, so a TP shard
+        # runs with its local heads without any attribute rewriting.
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, ffn_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, ffn_dim, bias=False)
+        self.w2 = nn.Linear(ffn_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, ffn_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Not persistent: recomputed by init_rope() after meta-device construction.
+        self.register_buffer("rope", rope_cache(args.head_dim, args.max_seq_len, args.rope_theta), persistent=False)
+
+    def init_rope(self) -> None:
+        self.rope = rope_cache(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, self.rope.device)
+
+    def init_weights(self, seed: int = 0) -> None:
+        """Values depend only on (seed, parameter FQN); see ``init_weights`` below."""
+        self.init_rope()
+        init_weights(self, seed, self.args.n_layers)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(input_ids)
+        for layer in self.layers.values():
+            h = layer(h, self.rope)
+        return self.output(self.norm(h))
+
+
+def param_init_std(fqn: str, n_layers: int) -> float | None:
+    """The init rule by parameter name: None means 'ones' (norm weights); biases get zero std."""
+    if fqn.endswith("norm.weight"):
+        return None
+    if fqn.endswith(".bias"):
+        return 0.0
+    if fqn.endswith(("wo.weight", "w2.weight")):
+        return 0.02 / math.sqrt(2 * n_layers)
+    return 0.02
+
+
+def seeded_value(seed: int, fqn: str, shape: torch.Size, std: float | None) -> torch.Tensor:
+    """The full fp32 value of one parameter, a function of (seed, fqn) only."""
+    if std is None:
+        return torch.ones(shape)
+    if std == 0.0:
+        return torch.zeros(shape)
+    digest = hashlib.sha256(f"{seed}:{fqn}".encode()).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+    return torch.randn(shape, generator=gen) * std
+
+
+def init_weights(module: nn.Module, seed: int, n_layers: int, std_rule=param_init_std) -> None:
+    """Initializes every parameter of ``module`` (a full model or a stage of one) by (seed, FQN).
+
+    Names are the full model's, so any split or sharding reproduces the single-process init exactly.
+    """
+    from pp_tp.tensor_utils import copy_full_
+
+    for fqn, p in module.named_parameters():
+        copy_full_(p, seeded_value(seed, fqn, p.shape, std_rule(fqn, n_layers)))

@@ -1,0 +1,30 @@
+"""Entry-point discovery: third-party packages add model layouts and schedules without editing pp_tp.
+
+A package declares, in its pyproject.toml::
+
+    [project.entry-points."pp_tp.model_layouts"]
+    mymodel = "mypkg.pp:LAYOUT"        # a pp_tp.stages.layouts.ModelLayout
+    [project.entry-points."pp_tp.schedules"]
+    MySchedule = "mypkg.pp:SCHEDULE"   # a pp_tp.schedules.registry.ScheduleSpec
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+
+_loaded = False
+
+
+def load_plugins() -> None:
+    """Registers every installed plugin once per process."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    from pp_tp.schedules.registry import register_schedule
+    from pp_tp.stages.layouts import register_layout
+
+    for ep in entry_points(group="pp_tp.model_layouts"):
+        register_layout(ep.load())
+    for ep in entry_points(group="pp_tp.schedules"):
+        register_schedule(ep.load())

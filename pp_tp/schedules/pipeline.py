@@ -1,0 +1,137 @@
+"""The Pipeline runner: one `step(input_ids, labels)` on every rank, whatever stages the rank holds.
+
+Stage input/output shapes are given to torch's PipelineStage up front (static metadata), so no step
+pays for shape inference. A batch of another shape re-plans the stages locally (no communication);
+every rank must see the same shape, as they do when the data loader feeds equal local batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    RESHARD,
+    UNSHARD,
+    _Action,
+    _PipelineScheduleRuntime,
+)
+
+from pp_tp.config import ParallelConfig
+from pp_tp.errors import ConfigError
+from pp_tp.schedules.loss import TokenSumLoss, count_tokens
+from pp_tp.schedules.registry import get_schedule_spec, is_csv_schedule
+from pp_tp.stages.plan import StagePlan
+from pp_tp.stages.stage_module import StageModule
+
+
+@dataclass(frozen=True)
+class BoundaryShapes:
+    """What flows between stages for one microbatch: ids in, hidden states between, logits out."""
+
+    microbatch: int
+    seq: int
+    dim: int
+    vocab_local: int
+    act_dtype: torch.dtype
+
+    def stage_io(self, stage: StageModule) -> tuple[torch.Tensor, torch.Tensor]:
+        mb, s = self.microbatch, self.seq
+        inp = (torch.empty(mb, s, dtype=torch.long, device="meta") if stage.is_first
+               else torch.empty(mb, s, self.dim, dtype=self.act_dtype, device="meta", requires_grad=True))
+        # requires_grad tells torch's static metadata that gradients flow back across the boundary.
+        out = torch.empty(mb, s, self.vocab_local if stage.is_last else self.dim, dtype=self.act_dtype,
+                          device="meta", requires_grad=True)
+        return inp, out
+
+
+def _gather_params_once(schedule: _PipelineScheduleRuntime) -> None:
+    """Keeps FSDP params gathered for the whole step on multi-stage schedules (fixes pytorch#164756).
+
+    torch's lowering interleaves UNSHARD/RESHARD per stage as its window of active stages moves, so
+    with more than a few stages per rank a unit is all-gathered several times per step. Here every
+    local stage is unsharded once before the first action and resharded once after the last one;
+    gradients are still reduce-scattered once per stage by REDUCE_GRAD after its last backward.
+    """
+    order = schedule.pipeline_order_with_comms
+    for rank, actions in order.items():
+        local = sorted({a.stage_index for a in actions if a.computation_type not in (UNSHARD, RESHARD)})
+        body = [a for a in actions if a.computation_type not in (UNSHARD, RESHARD)]
+        order[rank] = ([_Action(s, UNSHARD, None) for s in local] + body
+                       + [_Action(s, RESHARD, None) for s in local])
+
+
+class Pipeline:
+    """Runs one training step of the pipelined model; see DESIGN.md for the contract."""
+
+    def __init__(self, stages: list[StageModule], plan: StagePlan, mesh: DeviceMesh, pcfg: ParallelConfig,
+                 device: torch.device, shapes_fn: Callable[[int, int], BoundaryShapes], grad_factor: int,
+                 tp_loss_mesh: DeviceMesh | None = None):
+        self.model_parts: list[nn.Module] = list(stages)
+        self.plan = plan
+        self.mesh = mesh
+        self.pcfg = pcfg
+        self.device = device
+        self.stage_indices = [s.spec.index for s in stages]
+        self.has_first_stage = any(s.is_first for s in stages)
+        self.has_last_stage = any(s.is_last for s in stages)
+        self._shapes_fn = shapes_fn
+        self._grad_factor = grad_factor
+        self._loss = TokenSumLoss(tp_loss_mesh)
+        self._pp_group = mesh.get_group("pp")
+        self._dp_groups = [mesh.get_group(d) for d in ("dp_replicate", "dp_shard") if mesh[d].size() > 1]
+        self._shape_key: tuple[int, int] | None = None
+        self.schedule = None
+
+    def _build_schedule(self, microbatch: int, seq: int) -> None:
+        shapes = self._shapes_fn(microbatch, seq)
+        num_stages = self.pcfg.num_stages
+        pstages = []
+        for stage in self.model_parts:
+            inp, out = shapes.stage_io(stage)
+            pstages.append(PipelineStage(stage, stage.spec.index, num_stages, self.device, input_args=inp,
+                                         output_args=out, group=self._pp_group))
+        m = self.pcfg.microbatches
+        name = self.pcfg.schedule
+        if is_csv_schedule(name):
+            schedule = _PipelineScheduleRuntime(pstages, n_microbatches=m, loss_fn=self._loss, scale_grads=False)
+            schedule._load_csv(name)
+        else:
+            spec = get_schedule_spec(name)
+            schedule = spec.cls(pstages if spec.multi_stage else pstages[0], n_microbatches=m, loss_fn=self._loss,
+                                scale_grads=False)
+        if isinstance(schedule, _PipelineScheduleRuntime) and self.pcfg.fsdp_reshard_after_forward in ("default", "never"):
+            _gather_params_once(schedule)
+        self.schedule = schedule
+        self._shape_key = (microbatch, seq)
+
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One forward/backward over this DP rank's batch; returns the global mean token loss on every rank."""
+        if input_ids.shape != labels.shape or input_ids.dim() != 2:
+            raise ConfigError(f"Pipeline.step: input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} "
+                              "must both be [batch, seq]")
+        batch, seq = input_ids.shape
+        m = self.pcfg.microbatches
+        if batch % m:
+            raise ConfigError(f"Pipeline.step: local batch {batch} is not divisible by parallel.microbatches = {m}; "
+                              f"use a batch that is a multiple of {m}")
+        if self._shape_key != (batch // m, seq):
+            self._build_schedule(batch // m, seq)
+        input_ids, labels = input_ids.to(self.device), labels.to(self.device)
+        n_tokens = count_tokens(labels, self._dp_groups)
+        self._loss.scale = self._grad_factor / max(n_tokens, 1)
+        losses: list[torch.Tensor] = []
+        args = (input_ids,) if self.has_first_stage else ()
+        target = labels if self.has_last_stage else None
+        self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        # Only the last stage holds losses; summing over pp and DP gives every rank the global loss.
+        local = sum(float(x) for x in losses) / self._grad_factor
+        total = torch.tensor([local], dtype=torch.float64, device=self.device)
+        for g in [self._pp_group] + self._dp_groups:
+            dist.all_reduce(total, group=g)
+        return total[0].float()

@@ -1,0 +1,67 @@
+"""Per-rank stage building: prune to this rank's stages, parallelize on meta, then materialize and fill.
+
+Only this rank's stages are ever allocated, so peak parameter memory is about the rank's share of the
+model, never the whole model. Values come from the seeded init (identical to the single-process init,
+because it depends only on (seed, FQN)) or from a full state dict keyed by FQN.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from pp_tp.config import ParallelConfig
+from pp_tp.errors import ConfigError
+from pp_tp.parallel.apply import parallelize_stage
+from pp_tp.stages.layouts import ModelLayout
+from pp_tp.stages.plan import StagePlan
+from pp_tp.stages.stage_module import StageModule
+from pp_tp.tensor_utils import copy_full_
+
+
+def _capture_weights(stage: nn.Module) -> dict[str, torch.Tensor] | None:
+    """A model handed over with real weights: keep them by FQN, then treat the stage like a meta one."""
+    named = dict(stage.named_parameters())
+    if not named or all(p.is_meta for p in named.values()):
+        return None
+    weights = {k: p.detach().clone() for k, p in named.items()}
+    stage.to_empty(device="meta")
+    return weights
+
+
+@torch.no_grad()
+def fill_stage(stage: StageModule, model: nn.Module, seed: int, state_dict: Mapping[str, torch.Tensor] | None) -> None:
+    """Writes values into every (possibly sharded) parameter, by FQN; recomputes non-persistent buffers."""
+    layout = stage.layout
+    layout.init_buffers(stage, model)
+    n_layers = layout.dims(model).n_layers
+    for fqn, p in stage.named_parameters():
+        if state_dict is None:
+            from pp_tp.models.llama import seeded_value
+
+            full = seeded_value(seed, fqn, p.shape, layout.init_std(fqn, n_layers))
+        elif fqn in state_dict:
+            full = state_dict[fqn]
+        else:
+            raise ConfigError(f"state_dict has no {fqn!r}; pass the full model's state dict (keys are its FQNs)")
+        if tuple(full.shape) != tuple(p.shape):
+            raise ConfigError(f"state_dict[{fqn!r}] has shape {tuple(full.shape)}, the model needs {tuple(p.shape)}")
+        copy_full_(p, full.to(torch.float32))
+
+
+def build_local_stages(model: nn.Module, layout: ModelLayout, plan: StagePlan, pp_rank: int, mesh: DeviceMesh,
+                       pcfg: ParallelConfig, device: torch.device, seed: int = 0,
+                       state_dict: Mapping[str, torch.Tensor] | None = None) -> list[StageModule]:
+    """This rank's stage modules: pruned, parallelized (TP -> float8 -> AC -> compile -> FSDP), materialized, filled."""
+    stages = []
+    for spec in plan.for_rank(pp_rank):
+        stage = StageModule(model, layout, spec)
+        weights = _capture_weights(stage)
+        parallelize_stage(stage, mesh, pcfg)
+        stage.to_empty(device=device)
+        fill_stage(stage, model, seed, weights if weights is not None else state_dict)
+        stages.append(stage)
+    return stages

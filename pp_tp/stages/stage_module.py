@@ -1,0 +1,70 @@
+"""The stage module: one pipeline stage's share of a model, under the full model's parameter names.
+
+It holds the original submodules at their original paths (``layers.7`` stays ``layers.7``), so state
+dicts, checkpoints and optimizers see the full model's FQNs. Its own forward runs embed (first stage)
+-> its blocks -> norm and head (last stage) through the model layout, so the model's forward is never
+asked to skip missing modules. Between stages only one plain tensor ``[microbatch, seq, hidden]`` flows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from pp_tp.stages.layouts import ModelLayout
+from pp_tp.stages.plan import StageSpec
+
+
+def _attach(root: nn.Module, model: nn.Module, fqn: str) -> None:
+    """Puts `model`'s module or buffer at `fqn` under `root` at the same path, creating containers."""
+    *parents, leaf = fqn.split(".")
+    node, src = root, model
+    for part in parents:
+        src = src.get_submodule(part)
+        if part not in node._modules:
+            container = nn.ModuleDict() if isinstance(src, (nn.ModuleList, nn.ModuleDict)) else nn.Module()
+            node.add_module(part, container)
+        node = node._modules[part]
+    if leaf in src._modules:
+        node.add_module(leaf, src._modules[leaf])
+    else:
+        node.register_buffer(leaf, src.get_buffer(leaf), persistent=leaf not in src._non_persistent_buffers_set)
+
+
+class StageModule(nn.Module):
+    """One pipeline stage. `named_parameters()` yields exactly the full model's names for what it owns."""
+
+    def __init__(self, model: nn.Module, layout: ModelLayout, spec: StageSpec):
+        super().__init__()
+        self.layout = layout
+        self.spec = spec
+        for fqn in spec.fqns + list(layout.shared):
+            _attach(self, model, fqn)
+
+    @property
+    def is_first(self) -> bool:
+        return self.spec.embed
+
+    @property
+    def is_last(self) -> bool:
+        return self.spec.head
+
+    def blocks(self) -> list[nn.Module]:
+        if not self.spec.blocks:
+            return []
+        container = self.get_submodule(self.layout.blocks)
+        return [container[k] for k in self.spec.blocks]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lay = self.layout
+        h = self.get_submodule(lay.embed)(x) if self.is_first else x
+        extras = lay.block_inputs(self, h)
+        for block in self.blocks():
+            h = lay.call_block(block, h, extras)
+        if self.is_last:
+            return self.get_submodule(lay.head)(self.get_submodule(lay.norm)(h))
+        if type(h) is not torch.Tensor and isinstance(h, DTensor):
+            raise TypeError(f"stage {self.spec.index} would send a DTensor to the next stage; stage boundaries "
+                            "carry plain tensors (check the TP plan's use_local_output)")
+        return h

@@ -1,0 +1,25 @@
+"""Copy whole (unsharded) values into parameters that may be DTensors, with no communication."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+@torch.no_grad()
+def copy_full_(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Writes this rank's shard of ``full`` into ``param``.
+
+    ``distribute_tensor(src_data_rank=None)`` slices locally: every rank already holds ``full``
+    (it comes from a seed or a state dict), so scattering from rank 0 would only add traffic.
+    """
+    if isinstance(param, DTensor):
+        shard = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(shard.to_local())
+    else:
+        param.copy_(full)
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole value of a parameter or gradient, gathering if it is a DTensor."""
+    return t.full_tensor() if isinstance(t, DTensor) else t

@@ -1,0 +1,110 @@
+"""Multi-rank tests on gloo: start a world of N processes once, run many cases in it.
+
+Process start (importing torch, rendezvous) is the costly part, so a `World` keeps its ranks alive and
+feeds them cases through queues. A case is a module-level function called on every rank; its return
+values (one per rank) come back to the test. A failing rank's traceback is re-raised in the test; a
+case that fails or hangs tears the world down so the next case starts from a clean one.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+CASE_TIMEOUT_S = float(os.environ.get("PP_TP_CASE_TIMEOUT", "600"))
+# Bounds every collective: when one rank fails, its peers error out instead of waiting forever.
+PG_TIMEOUT_S = 60
+
+
+class RankError(AssertionError):
+    """A case failed on one or more ranks; the message holds each failing rank's traceback."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=PG_TIMEOUT_S))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        case_id, fn, args, kwargs = task
+        try:
+            results.put((case_id, rank, True, fn(*args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - everything goes back to the test
+            results.put((case_id, rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class World:
+    """N gloo ranks kept alive across cases. `run(fn, ...)` returns the list of per-rank results."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self._procs: list = []
+        self._case = 0
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._procs = [ctx.Process(target=_worker, args=(r, self.world_size, port, self._tasks[r], self._results),
+                                   daemon=True) for r in range(self.world_size)]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = CASE_TIMEOUT_S, **kwargs: Any) -> list[Any]:
+        if not self._procs:
+            self._start()
+        self._case += 1
+        for q in self._tasks:
+            q.put((self._case, fn, args, kwargs))
+        out: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        while len(out) + len(errors) < self.world_size and time.monotonic() < deadline:
+            if errors or not all(p.is_alive() for p in self._procs):
+                # Peers of a failed or dead rank end at the collective timeout: do not wait for the full case.
+                deadline = min(deadline, time.monotonic() + PG_TIMEOUT_S + 30)
+            try:
+                case_id, rank, ok, value = self._results.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            if case_id == self._case:
+                (out if ok else errors)[rank] = value
+        if errors or len(out) < self.world_size:
+            self.close()
+            missing = sorted(set(range(self.world_size)) - set(out) - set(errors))
+            msg = [f"case {fn.__module__}.{fn.__name__} failed on ranks {sorted(errors)}"
+                   + (f"; no answer from ranks {missing}" if missing else "")]
+            msg += [f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())]
+            raise RankError("\n".join(msg))
+        return [out[r] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        for q, p in zip(self._tasks if self._procs else [], self._procs):
+            if p.is_alive():
+                q.put(None)
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+        self._procs = []
