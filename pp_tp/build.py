@@ -11,14 +11,12 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from pp_tp.config import ParallelConfig, check_model_shape, resolve_parallel
 from pp_tp.errors import ConfigError
+from pp_tp.parallel.fsdp import grad_factor
+from pp_tp.parallel.tensor_parallel import check_tp_plan
 from pp_tp.schedules.pipeline import BoundaryShapes, Pipeline
 from pp_tp.stages.build import build_local_stages
 from pp_tp.stages.layouts import layout_for
 from pp_tp.stages.plan import plan_stages
-
-
-def _uses_fsdp(pcfg: ParallelConfig) -> bool:
-    return pcfg.dp > 1 or pcfg.mixed_precision == "bf16"
 
 
 def build_pipeline(model: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig, *, seed: int = 0,
@@ -36,6 +34,7 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig, *, 
     if d.tied and (pcfg.pp > 1 or pcfg.tp > 1 or pcfg.dp > 1):
         raise ConfigError("model.tie_embeddings: tied input/output embeddings are only supported on one rank; "
                           "untie them (model.tie_embeddings = false) for pp/tp/dp > 1")
+    check_tp_plan(model, layout, pcfg)
     plan = plan_stages(model, layout, pcfg, seq_len)
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
     pp_rank = mesh.get_local_rank("pp")
@@ -49,5 +48,4 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig, *, 
         return BoundaryShapes(microbatch, seq, d.dim, vocab_local, act_dtype)
 
     tp_loss_mesh = mesh["tp"] if pcfg.loss_parallel and pcfg.tp > 1 else None
-    grad_factor = pcfg.dp if _uses_fsdp(pcfg) else 1
-    return Pipeline(stages, plan, mesh, pcfg, device, shapes, grad_factor, tp_loss_mesh)
+    return Pipeline(stages, plan, mesh, pcfg, device, shapes, grad_factor(pcfg), tp_loss_mesh)

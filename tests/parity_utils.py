@@ -80,7 +80,7 @@ def logits_of(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 def reference_run(state: dict, ids: torch.Tensor, labels: torch.Tensor, args: ModelArgs = TINY, hf: bool = False,
-                  steps: int = 1, lr: float = 1e-2) -> dict:
+                  steps: int = 1, lr: float = 1e-3) -> dict:
     """The single-process, non-PP build: loss, gradients and params after `steps` AdamW steps."""
     torch.manual_seed(0)
     model = make_model(args, hf)
@@ -105,7 +105,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def run_pipeline(pcfg: ParallelConfig, state: dict, ids: torch.Tensor, labels: torch.Tensor,
-                 args: ModelArgs = TINY, hf: bool = False, steps: int = 1, lr: float = 1e-2) -> dict:
+                 args: ModelArgs = TINY, hf: bool = False, steps: int = 1, lr: float = 1e-3) -> dict:
     """The pipelined build on the same weights and batch; each DP rank takes its slice of the batch."""
     mesh = mesh_for(pcfg)
     model = make_model(args, hf, device="meta")

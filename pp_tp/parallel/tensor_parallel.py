@@ -1,13 +1,166 @@
-"""Placeholder pass: its issue fills it in."""
+"""Tensor parallelism inside a pipeline stage, without sequence parallel, on torch's DTensor parallel styles.
+
+Stage boundaries carry plain tensors, so every style hands back local tensors: column-parallel outputs
+stay sharded on features (heads) inside a block, row-parallel outputs are all-reduced back to
+replicated activations. A plan maps module FQNs (``*`` matches one name component, as in
+``parallelize_module``) to style names in STYLES. A block's plan is its class's ``_tp_plan`` when it
+declares one, else the model layout's ``tp_plan`` plus its q/k norms.
+"""
 
 from __future__ import annotations
 
+import warnings
+from dataclasses import dataclass
+from fnmatch import fnmatch
+from typing import Callable, Iterable, Mapping
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from pp_tp.config import ParallelConfig
+from pp_tp.errors import ConfigError
+from pp_tp.stages.layouts import ModelLayout
+
+# Style name -> factory (a fresh style per module; None leaves the module whole on every TP rank).
+STYLES: dict[str, Callable[[], ParallelStyle | None]] = {
+    # Weight and bias sharded on out_features; the output stays this rank's feature (head) shard.
+    "colwise": lambda: ColwiseParallel(use_local_output=True),
+    # Same, with the output all-gathered: the default head, full-vocabulary logits on every TP rank.
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate(), use_local_output=True),
+    # Weight sharded on in_features; the partial sums are all-reduced, the bias is added once.
+    "rowwise": lambda: RowwiseParallel(use_local_output=True),
+    # nn.Embedding sharded on the vocabulary; each rank looks up its rows, the sum is all-reduced.
+    "vocab_parallel": lambda: RowwiseParallel(input_layouts=Replicate(), use_local_output=True),
+    # Replicated weights on a head-sharded input (q/k norms): the weights become Replicate DTensors, so
+    # their gradients come out Partial and are summed over TP once per step (reduce_partial_grads).
+    # The norm acts on the last dim only, so naming dim 2 (heads of [b, s, h, d]) as sharded is bookkeeping.
+    "replicated_with_grad_allreduce": lambda: SequenceParallel(sequence_dim=2, use_local_output=True),
+    # Left whole on every TP rank; listed so verify() does not report its Linear layers as forgotten.
+    "replicate": lambda: None,
+}
+
+# Which weight dim each sharding style splits, for the divisibility check.
+_SHARDED_DIM = {"colwise": 0, "colwise_gather_output": 0, "rowwise": 1, "vocab_parallel": 0}
+
+
+@dataclass
+class PlanReport:
+    """What a plan does to a module: the FQN -> style it resolves to and what it got wrong."""
+
+    resolved: dict[str, str]
+    unmatched_rules: list[str]
+    unsharded_linears: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return not (self.unmatched_rules or self.unsharded_linears)
+
+
+def _matches(rule: str, fqn: str) -> bool:
+    """`parallelize_module`'s matching: same number of components, fnmatch on each."""
+    parts, names = rule.split("."), fqn.split(".")
+    return len(parts) == len(names) and all(fnmatch(n, p) for n, p in zip(names, parts))
+
+
+def _check_styles(plan: Mapping[str, str]) -> None:
+    for rule, style in plan.items():
+        if style not in STYLES:
+            raise ConfigError(f"tensor-parallel plan rule {rule!r}: style {style!r} is unknown; "
+                              f"use one of {', '.join(STYLES)}")
+
+
+def verify(module: nn.Module, plan: Mapping[str, str]) -> PlanReport:
+    """Resolves `plan` on `module`; reports rules that matched no submodule and Linear layers no rule covers."""
+    _check_styles(plan)
+    names = [n for n, _ in module.named_modules() if n]
+    resolved: dict[str, str] = {}
+    unmatched = []
+    for rule, style in plan.items():
+        hits = [n for n in names if _matches(rule, n)]
+        unmatched += [] if hits else [rule]
+        resolved.update(dict.fromkeys(hits, style))
+    unsharded = [n for n, m in module.named_modules() if isinstance(m, nn.Linear)
+                 and not any(n == c or n.startswith(c + ".") for c in resolved)]
+    return PlanReport(resolved, unmatched, unsharded)
+
+
+def block_plan(block: nn.Module, layout: ModelLayout) -> dict[str, str]:
+    """A block's own `_tp_plan` if it declares one, else the layout's plan plus the q/k norms it has."""
+    declared = getattr(block, "_tp_plan", None)
+    if declared is not None:
+        return dict(declared)
+    present = {n for n, _ in block.named_modules()}
+    return {**layout.tp_plan, **{n: "replicated_with_grad_allreduce" for n in layout.qk_norms if n in present}}
+
+
+def stage_plan(stage: nn.Module, pcfg: ParallelConfig) -> dict[str, str]:
+    """The plan for one StageModule: embedding per `parallel.embedding`, its blocks, and the head
+    (vocab-sharded logits with `parallel.loss_parallel`, gathered logits otherwise)."""
+    lay = stage.layout
+    plan = {lay.embed: pcfg.embedding} if stage.is_first else {}
+    for key, block in zip(stage.spec.blocks, stage.blocks()):
+        plan.update({f"{lay.blocks}.{key}.{rule}": style for rule, style in block_plan(block, lay).items()})
+    if stage.is_last:
+        plan[lay.head] = "colwise" if pcfg.loss_parallel else "colwise_gather_output"
+    return plan
+
+
+def _refuse_unmatched(report: PlanReport, where: str) -> None:
+    if report.unmatched_rules:
+        raise ConfigError(f"tensor-parallel plan rule {report.unmatched_rules[0]!r} matches no module of {where}; "
+                          "fix the rule in the block's _tp_plan or the model layout's tp_plan")
+
+
+def check_tp_plan(model: nn.Module, layout: ModelLayout, pcfg: ParallelConfig) -> None:
+    """Checks every block's plan on the full (meta) model on every rank, so a bad plan fails before any
+    collective: unknown styles, rules matching nothing, sharded weight dims not divisible by `parallel.tp`.
+    Linear layers no rule covers only warn: they run whole on every TP rank, which is correct but wasteful."""
+    if pcfg.tp == 1:
+        return
+    unsharded: set[str] = set()
+    for key, block in model.get_submodule(layout.blocks).named_children():
+        report = verify(block, block_plan(block, layout))
+        _refuse_unmatched(report, f"block {layout.blocks}.{key} ({type(block).__name__})")
+        unsharded.update(report.unsharded_linears)
+        for fqn, style in report.resolved.items():
+            weight = getattr(block.get_submodule(fqn), "weight", None)
+            dim = _SHARDED_DIM.get(style)
+            if dim is not None and weight is not None and weight.shape[dim] % pcfg.tp:
+                raise ConfigError(f"{layout.blocks}.{key}.{fqn}.weight dim {dim} = {weight.shape[dim]} is not "
+                                  f"divisible by parallel.tp = {pcfg.tp} ({style!r}); set parallel.tp to a divisor")
+    if unsharded:
+        warnings.warn(f"tensor parallel: Linear layers {sorted(unsharded)} match no TP plan rule and run "
+                      "unsharded on every TP rank; add them to the plan (\"replicate\" if intended)", stacklevel=2)
 
 
 def apply_tp(stage: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig) -> bool:
-    """Returns True when it changed the stage."""
-    return False
+    """Shards the stage over mesh["tp"] (on meta, without communication); no-op when tp == 1."""
+    if pcfg.tp == 1:
+        return False
+    report = verify(stage, stage_plan(stage, pcfg))
+    _refuse_unmatched(report, f"stage {stage.spec.index}")
+    styles = {fqn: style for fqn, name in report.resolved.items() if (style := STYLES[name]()) is not None}
+    # src_data_rank=None: shard locally; values are filled after materialization (tensor_utils.copy_full_).
+    parallelize_module(stage, mesh["tp"], styles, src_data_rank=None)
+    return True
+
+
+def reduce_partial_grads(modules: Iterable[nn.Module]) -> None:
+    """Sums the Partial gradients of replicated parameters (q/k norms) over TP, one all-reduce each.
+
+    Home-made because torch reduces a Partial gradient lazily at each use, i.e. several times per
+    optimizer step; called once after the step's last backward, so microbatches add up locally first.
+    """
+    for module in modules:
+        for p in module.parameters():
+            g = p.grad
+            if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+                p.grad = g.redistribute(g.device_mesh, p.placements)

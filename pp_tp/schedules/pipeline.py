@@ -24,6 +24,8 @@ from torch.distributed.pipelining.schedules import (
 
 from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
+from pp_tp.parallel.fsdp import keeps_params_gathered
+from pp_tp.parallel.tensor_parallel import reduce_partial_grads
 from pp_tp.schedules.loss import TokenSumLoss, count_tokens
 from pp_tp.schedules.registry import get_schedule_spec, is_csv_schedule
 from pp_tp.stages.plan import StagePlan
@@ -105,7 +107,7 @@ class Pipeline:
             spec = get_schedule_spec(name)
             schedule = spec.cls(pstages if spec.multi_stage else pstages[0], n_microbatches=m, loss_fn=self._loss,
                                 scale_grads=False)
-        if isinstance(schedule, _PipelineScheduleRuntime) and self.pcfg.fsdp_reshard_after_forward in ("default", "never"):
+        if isinstance(schedule, _PipelineScheduleRuntime) and keeps_params_gathered(self.pcfg):
             _gather_params_once(schedule)
         self.schedule = schedule
         self._shape_key = (microbatch, seq)
@@ -128,7 +130,9 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         args = (input_ids,) if self.has_first_stage else ()
         target = labels if self.has_last_stage else None
-        self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        with self._loss.parallel():  # torch wants the vocab-parallel loss's backward inside loss_parallel() too
+            self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        reduce_partial_grads(self.model_parts)  # once per step, after the last microbatch
         # Only the last stage holds losses; summing over pp and DP gives every rank the global loss.
         local = sum(float(x) for x in losses) / self._grad_factor
         total = torch.tensor([local], dtype=torch.float64, device=self.device)

@@ -113,7 +113,8 @@ def get_schedule_spec(name: str) -> ScheduleSpec:
     if name not in _REGISTRY:
         import difflib
 
-        close = difflib.get_close_matches(name, names, n=1)
+        same_case = [n for n in names if n.lower() == name.lower()]
+        close = same_case or difflib.get_close_matches(name, names, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ConfigError(f"parallel.schedule = {name!r} is unknown{hint}; use one of {', '.join(names)} or a .csv path")
     return _REGISTRY[name]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed._functional_collectives import AsyncCollectiveTensor, wait_tensor
 
 from pp_tp.stages.layouts import ModelLayout
 from pp_tp.stages.plan import StageSpec
@@ -63,8 +63,10 @@ class StageModule(nn.Module):
         for block in self.blocks():
             h = lay.call_block(block, h, extras)
         if self.is_last:
-            return self.get_submodule(lay.head)(self.get_submodule(lay.norm)(h))
-        if type(h) is not torch.Tensor and isinstance(h, DTensor):
-            raise TypeError(f"stage {self.spec.index} would send a DTensor to the next stage; stage boundaries "
-                            "carry plain tensors (check the TP plan's use_local_output)")
+            h = self.get_submodule(lay.head)(self.get_submodule(lay.norm)(h))
+        if isinstance(h, AsyncCollectiveTensor):  # a TP all-reduce/all-gather still in flight: finish it here
+            h = wait_tensor(h)
+        if type(h) is not torch.Tensor:
+            raise TypeError(f"stage {self.spec.index} outputs a {type(h).__name__}; stage boundaries carry plain "
+                            "torch.Tensor (a TP style at the stage's edge needs use_local_output=True)")
         return h

@@ -1,0 +1,139 @@
+"""A communication ledger: counts and bytes of every collective and p2p op this rank issues.
+
+Usage (on every rank; each rank records its own traffic)::
+
+    from pp_tp.parallel.comm_ledger import CommLedger
+
+    with CommLedger() as led:
+        for i in range(3):
+            led.next_step()                  # optional: start a new step record
+            pipe.step(ids, labels)
+    led.counts()          # {"all_gather": 6, "reduce_scatter": 6, "all_reduce": 9, "send": 12, ...} all steps
+    led.counts(step=-1)   # the last step only
+    led.bytes(step=1)     # payload bytes per kind in step 1
+    led.events            # every op: CommEvent(step, kind, op, nbytes, group_size)
+
+Keys: "all_gather", "reduce_scatter", "all_reduce", "broadcast", "send", "recv", and when they occur
+"all_to_all", "gather", "scatter", "reduce", "barrier". Steps are numbered from 0; without
+`next_step()` everything lands in step 0; a step without any communication is not numbered. `nbytes` is the op's payload on this rank: the largest
+tensor (or tensor list) it reads or writes, i.e. the gathered output of an all-gather, the unreduced
+input of a reduce-scatter, the tensor of an all-reduce / broadcast / send / recv.
+
+How it sees the ops: a TorchDispatchMode (the mechanism of torch's CommDebugMode) watching the
+``c10d`` ops that torch.distributed's Python API dispatches to (FSDP2's all_gather_single /
+reduce_scatter_single, pipelining's batch_isend_irecv, loss all-reduces) and the
+``_c10d_functional`` ops of DTensor redistribution (TP). The mode is thread-local state that the
+autograd engine carries into backward, so collectives issued from backward hooks are recorded too.
+Tensor subclasses (DTensor) are let through first so that the collectives they lower to are seen.
+Cost: every op of the step passes through Python while the ledger is open; measure time outside it.
+Compiled regions (torch.compile) are not inspected.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+# op name (overload packet, namespace dropped) -> ledger key
+_KINDS = {
+    # torch.distributed (c10d) ops
+    "allgather_": "all_gather", "_allgather_base_": "all_gather", "allgather_coalesced_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce",
+    "broadcast_": "broadcast", "send": "send", "recv_": "recv", "recv_any_source_": "recv",
+    "alltoall_": "all_to_all", "alltoall_base_": "all_to_all", "gather_": "gather", "scatter_": "scatter",
+    "reduce_": "reduce", "barrier": "barrier",
+    # functional collectives (DTensor)
+    "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce", "broadcast": "broadcast",
+    "all_to_all_single": "all_to_all",
+}
+_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd", "c10d_functional")
+
+
+@dataclass(frozen=True)
+class CommEvent:
+    step: int
+    kind: str
+    op: str
+    nbytes: int
+    group_size: int | None
+
+
+def _payload_bytes(values: Any) -> int:
+    """The largest per-argument tensor payload: a list of tensors counts as the sum of its tensors."""
+    best = 0
+    for value in values:
+        leaves, _ = tree_flatten(value)
+        best = max(best, sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor)))
+    return best
+
+
+def _group_size(args: tuple[Any, ...]) -> int | None:
+    for a in args:
+        if isinstance(a, torch._C._distributed_c10d.ProcessGroup):
+            return a.size()
+        if isinstance(a, str):  # functional collectives name their group
+            try:
+                from torch.distributed.distributed_c10d import _resolve_process_group
+
+                return _resolve_process_group(a).size()
+            except (RuntimeError, ValueError, KeyError):
+                return None
+    return None
+
+
+class CommLedger(TorchDispatchMode):
+    """Records this rank's communication while active; see the module docstring."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[CommEvent] = []
+        self.step = 0
+
+    def next_step(self) -> None:
+        """Starts a new step record, unless the current one is still empty (so calling it before every
+        step, or after every step, numbers the steps 0, 1, 2, ... alike)."""
+        if self.events and self.events[-1].step == self.step:
+            self.step += 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(t is not torch.Tensor for t in types):
+            return NotImplemented  # let the subclass (DTensor) lower itself; its collectives come back here
+        out = func(*args, **kwargs)
+        packet = getattr(func, "_overloadpacket", None)
+        ns = getattr(func, "namespace", None)
+        if packet is not None and ns in _NAMESPACES:
+            kind = _KINDS.get(packet.__name__)
+            if kind is not None:
+                self.events.append(CommEvent(self.step, kind, f"{ns}.{packet.__name__}",
+                                             _payload_bytes(list(args) + list(kwargs.values()) + [out]),
+                                             _group_size(args)))
+        return out
+
+    def _select(self, step: int | None) -> list[CommEvent]:
+        if step is None:
+            return self.events
+        if step < 0:  # counted from the last step that recorded anything
+            step += (self.events[-1].step if self.events else 0) + 1
+        return [e for e in self.events if e.step == step]
+
+    def counts(self, step: int | None = None) -> dict[str, int]:
+        """Number of ops per kind, over all steps or in one step (negative counts from the last)."""
+        return dict(Counter(e.kind for e in self._select(step)))
+
+    def bytes(self, step: int | None = None) -> dict[str, int]:
+        """Payload bytes per kind, over all steps or in one step."""
+        total: Counter[str] = Counter()
+        for e in self._select(step):
+            total[e.kind] += e.nbytes
+        return dict(total)
