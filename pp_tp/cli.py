@@ -7,6 +7,7 @@ process group is started.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from pp_tp.config import JobConfig, format_config, load_config
@@ -17,7 +18,9 @@ EXIT_BAD_INPUT = 2
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `pp-tp` console script; returns the process exit code."""
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    args.argv = argv
     try:
         return args.run(args)
     except ConfigError as e:
@@ -29,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The parser with every subcommand registered; a new subcommand adds its `_add_<name>` below."""
     parser = argparse.ArgumentParser(prog="pp-tp", description="Pipeline- and tensor-parallel Transformer training.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="command")
-    for add in (_add_check,):
+    for add in (_add_check, _add_parity):
         add(commands)
     return parser
 
@@ -57,6 +60,48 @@ def _add_check(commands: argparse._SubParsersAction) -> None:
 def _check(args: argparse.Namespace) -> int:
     print(format_config(load_job(args)), end="")
     return 0
+
+
+def run_ranks(args: argparse.Namespace, module: str, per_rank_main) -> int:
+    """Runs a per-rank entry: here under torchrun, or on `--nproc` local ranks spawned through torchrun.
+
+    The job is validated against the world size first, so a bad config never starts a process group.
+    """
+    if args.nproc:
+        load_config(args.config, args.overrides, args.nproc)
+        from pp_tp.launch import run_under_torchrun
+
+        return run_under_torchrun(args.nproc, module, _without_nproc(args.argv[1:]))
+    if "RANK" not in os.environ:
+        raise ConfigError(f"pp-tp {args.command}: not under torchrun; pass --nproc N to spawn N local ranks")
+    return per_rank_main(_without_nproc(args.argv[1:]))
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
+def _add_parity(commands: argparse._SubParsersAction) -> None:
+    from pp_tp.parity import add_parity_args
+
+    parser = commands.add_parser("parity", help="compare the job's pipelined build with its non-PP build")
+    add_parity_args(parser)
+    parser.add_argument("--nproc", type=int, default=None, help="spawn this many local ranks")
+    parser.set_defaults(run=_parity)
+
+
+def _parity(args: argparse.Namespace) -> int:
+    from pp_tp import parity
+
+    return run_ranks(args, "pp_tp.parity", parity.main)
 
 
 if __name__ == "__main__":

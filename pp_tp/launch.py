@@ -22,6 +22,7 @@ def run_under_torchrun(nproc: int, module: str, argv: list[str], max_restarts: i
     try:
         run(args)
     except ChildFailedError as e:
-        print(f"error: {e.get_first_failure()[1].message if e.failures else e}", file=sys.stderr)
-        return 1
+        rank, failure = e.get_first_failure()
+        print(f"error: rank {rank} exited with code {failure.exitcode}", file=sys.stderr)
+        return failure.exitcode if failure.exitcode > 0 else 1
     return 0

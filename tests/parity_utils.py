@@ -4,15 +4,16 @@ reference computed on every rank, and comparisons of loss, full gradients and up
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import pp_tp
-from pp_tp.config import ParallelConfig
-from pp_tp.models.llama import ModelArgs, Transformer
+from pp_tp.config import ModelConfig, ParallelConfig
+from pp_tp.models.factory import build_model
+from pp_tp.models.llama import ModelArgs
 from pp_tp.tensor_utils import full_tensor
 
 _MESHES: dict = {}
@@ -35,22 +36,11 @@ def pcfg_of(**kw) -> ParallelConfig:
 
 
 def make_hf_llama(args: ModelArgs, device: str = "cpu") -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.ffn_dim,
-                      num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
-                      num_key_value_heads=args.kv_heads, max_position_embeddings=args.max_seq_len,
-                      attention_bias=args.attn_bias, tie_word_embeddings=False, rms_norm_eps=args.norm_eps)
-    cfg._attn_implementation = "sdpa"
-    with torch.device(device):
-        return LlamaForCausalLM(cfg)
+    return make_model(args, hf=True, device=device)
 
 
 def make_model(args: ModelArgs = TINY, hf: bool = False, device: str = "cpu") -> nn.Module:
-    if hf:
-        return make_hf_llama(args, device)
-    with torch.device(device):
-        return Transformer(args)
+    return build_model(ModelConfig(**asdict(args), kind="hf_llama" if hf else "reference"), device)
 
 
 def reference_state(args: ModelArgs = TINY, hf: bool = False, seed: int = 0) -> dict[str, torch.Tensor]:

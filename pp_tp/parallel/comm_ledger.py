@@ -78,16 +78,21 @@ def _payload_bytes(values: Any) -> int:
 
 
 def _group_size(args: tuple[Any, ...]) -> int | None:
-    for a in args:
-        if isinstance(a, torch._C._distributed_c10d.ProcessGroup):
-            return a.size()
-        if isinstance(a, str):  # functional collectives name their group
-            try:
-                from torch.distributed.distributed_c10d import _resolve_process_group
+    """The size of the op's process group: c10d ops carry it boxed, functional collectives by name."""
+    from torch._C._distributed_c10d import ProcessGroup
+    from torch.distributed.distributed_c10d import _resolve_process_group
 
+    for a in reversed(args):
+        if isinstance(a, torch.ScriptObject):
+            try:
+                return ProcessGroup.unbox(a).size()
+            except RuntimeError:
+                continue
+        if isinstance(a, str):
+            try:
                 return _resolve_process_group(a).size()
             except (RuntimeError, ValueError, KeyError):
-                return None
+                continue
     return None
 
 

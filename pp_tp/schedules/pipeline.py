@@ -134,7 +134,7 @@ class Pipeline:
             self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
         reduce_partial_grads(self.model_parts)  # once per step, after the last microbatch
         # Only the last stage holds losses; summing over pp and DP gives every rank the global loss.
-        local = sum(float(x) for x in losses) / self._grad_factor
+        local = sum(float(x.detach()) for x in losses) / self._grad_factor
         total = torch.tensor([local], dtype=torch.float64, device=self.device)
         for g in [self._pp_group] + self._dp_groups:
             dist.all_reduce(total, group=g)

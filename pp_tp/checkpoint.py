@@ -1,0 +1,124 @@
+"""Training checkpoints with torch.distributed.checkpoint (DCP): model, optimizer, LR schedule, data position, RNG.
+
+Model and optimizer entries are keyed by the full model's FQNs (torch's `get_model_state_dict` /
+`get_optimizer_state_dict` with flattened optimizer state, per model part), and DCP reshards DTensors on
+load, so a checkpoint written at one layout (pp2 x tp2) loads at another (pp4, pp1 x tp2, pp1).
+
+A checkpoint is written into `.step-K.tmp` and renamed to `step-K` only once every rank's shard and DCP's
+metadata are on disk: a crash mid-save leaves the last good checkpoint untouched. Every rank writes into
+`checkpoint.folder`, so on several nodes it must be a shared file system.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import shutil
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from pp_tp.config import CheckpointConfig
+from pp_tp.data import ShardedBatches
+
+_FINAL = re.compile(r"^step-(\d+)$")
+_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _rng_blob() -> bytes:
+    """Every rank's RNG states, gathered: one object identical on all ranks, as DCP needs for a replicated entry."""
+    mine = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        mine["cuda"] = torch.cuda.get_rng_state()
+    states: list = [None] * dist.get_world_size()
+    dist.all_gather_object(states, mine)
+    buf = io.BytesIO()
+    torch.save(states, buf)
+    return buf.getvalue()
+
+
+def _restore_rng(blob: bytes) -> None:
+    """Restores this rank's RNG when the world size matches; at another layout the streams do not correspond."""
+    states = torch.load(io.BytesIO(blob), weights_only=True)
+    if len(states) == dist.get_world_size():
+        mine = states[dist.get_rank()]
+        torch.set_rng_state(mine["cpu"])
+        if "cuda" in mine and torch.cuda.is_available():
+            torch.cuda.set_rng_state(mine["cuda"])
+
+
+class Checkpointer:
+    """Saves every `checkpoint.interval` steps and at the end; resumes from the newest complete checkpoint."""
+
+    def __init__(self, ccfg: CheckpointConfig, model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+                 schedulers: list[torch.optim.lr_scheduler.LRScheduler], loader: ShardedBatches):
+        self.cfg = ccfg
+        self.parts, self.optimizers, self.schedulers, self.loader = model_parts, optimizers, schedulers, loader
+
+    def _state(self, step: int) -> dict:
+        model: dict = {}
+        optim: dict = {}
+        for part, opt in zip(self.parts, self.optimizers):
+            model.update(get_model_state_dict(part))
+            optim.update(get_optimizer_state_dict(part, opt, options=_OPTIM))
+        # The schedulers step together, so one state stands for all of them.
+        return {"model": model, "optim": optim, "lr_scheduler": self.schedulers[0].state_dict(),
+                "data": self.loader.state_dict(), "rng": _rng_blob(), "step": step}
+
+    def latest(self) -> str | None:
+        """The newest complete checkpoint in `checkpoint.folder`, or None."""
+        if not os.path.isdir(self.cfg.folder):
+            return None
+        steps = [int(m.group(1)) for name in os.listdir(self.cfg.folder) if (m := _FINAL.match(name))
+                 and os.path.isfile(os.path.join(self.cfg.folder, name, ".metadata"))]
+        return os.path.join(self.cfg.folder, f"step-{max(steps)}") if steps else None
+
+    def load(self, path: str) -> int:
+        """Restores everything from `path` into the live objects; returns the step it was saved at."""
+        state = self._state(0)
+        dcp.load(state, checkpoint_id=path)
+        for part, opt in zip(self.parts, self.optimizers):
+            set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
+            set_optimizer_state_dict(part, opt, state["optim"], options=_OPTIM)
+        for sched in self.schedulers:
+            sched.load_state_dict(state["lr_scheduler"])
+        self.loader.load_state_dict(state["data"])
+        _restore_rng(state["rng"])
+        return int(state["step"])
+
+    def save(self, step: int) -> str:
+        """Writes step `step` atomically and drops the oldest checkpoints beyond `checkpoint.keep`."""
+        final = os.path.join(self.cfg.folder, f"step-{step}")
+        tmp = os.path.join(self.cfg.folder, f".step-{step}.tmp")
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a crashed save of the same step
+            os.makedirs(tmp)
+        dist.barrier()
+        dcp.save(self._state(step), checkpoint_id=tmp)  # returns on every rank once the metadata is written
+        if dist.get_rank() == 0:
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(tmp, final)
+            self._prune()
+        dist.barrier()
+        return final
+
+    def maybe_save(self, step: int, last: bool) -> None:
+        if self.cfg.enable and (last or (self.cfg.interval and step % self.cfg.interval == 0)):
+            self.save(step)
+
+    def _prune(self) -> None:
+        if self.cfg.keep <= 0:
+            return
+        steps = sorted(int(m.group(1)) for name in os.listdir(self.cfg.folder) if (m := _FINAL.match(name)))
+        for old in steps[:-self.cfg.keep]:
+            shutil.rmtree(os.path.join(self.cfg.folder, f"step-{old}"), ignore_errors=True)
