@@ -88,6 +88,7 @@ class Checkpointer:
         state = self._state(0)
         dcp.load(state, checkpoint_id=path)
         for part, opt in zip(self.parts, self.optimizers):
+            # The dict holds every local part's keys; DCP already refused any key missing from the checkpoint.
             set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
             set_optimizer_state_dict(part, opt, state["optim"], options=_OPTIM)
         for sched in self.schedulers:

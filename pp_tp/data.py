@@ -137,9 +137,8 @@ def make_source(cfg: JobConfig) -> Source:
 
 def dp_coords(mesh: DeviceMesh) -> tuple[int, int]:
     """(this rank's DP index, DP degree) over both DP dims, replicate-major like the mesh."""
-    shard = mesh["dp_shard"]
-    return mesh["dp_replicate"].get_local_rank() * shard.size() + shard.get_local_rank(), \
-        mesh["dp_replicate"].size() * shard.size()
+    rep, shard = mesh["dp_replicate"], mesh["dp_shard"]
+    return rep.get_local_rank() * shard.size() + shard.get_local_rank(), rep.size() * shard.size()
 
 
 class ShardedBatches:

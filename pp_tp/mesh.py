@@ -38,7 +38,17 @@ def init_distributed(timeout_s: float = 300.0) -> None:
         backend = "nccl"
     else:
         backend = "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    store_args = {}
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun keeps one agent store across restarts: without a per-attempt prefix a restarted gloo
+        # group reads the dead attempt's peer addresses and fails to connect (seen on torch 2.13).
+        agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timeout)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store_args = {"store": dist.PrefixStore(f"pp_tp/attempt_{attempt}/", agent),
+                      "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
+    dist.init_process_group(backend, timeout=timeout, **store_args)
 
 
 def mesh_shape(pcfg: ParallelConfig, world_size: int) -> tuple[int, int, int, int]:

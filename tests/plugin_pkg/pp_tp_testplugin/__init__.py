@@ -1,0 +1,53 @@
+"""A model pp_tp does not know (an MLP language model with its own module names) and a renamed schedule."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.pipelining import ScheduleGPipe
+
+from pp_tp.schedules.registry import ScheduleSpec
+from pp_tp.stages.layouts import ModelDims, ModelLayout
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, h):
+        return h + self.down(nn.functional.gelu(self.up(h)))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab: int = 64, dim: int = 16, hidden: int = 32, n_blocks: int = 3):
+        super().__init__()
+        self.vocab, self.dim, self.hidden = vocab, dim, hidden
+        self.emb = nn.Embedding(vocab, dim)
+        self.trunk = nn.ModuleList(Block(dim, hidden) for _ in range(n_blocks))
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for block in self.trunk:
+            h = block(h)
+        return self.head(self.ln_f(h))
+
+
+LAYOUT = ModelLayout(
+    name="tiny_mlp",
+    matches=lambda m: isinstance(m, TinyLM),
+    dims=lambda m: ModelDims(n_layers=len(m.trunk), dim=m.dim, n_heads=1, n_kv_heads=1, ffn_dim=m.hidden,
+                             vocab_size=m.vocab, max_seq_len=1024, tied=False),
+    embed="emb",
+    blocks="trunk",
+    norm="ln_f",
+    head="head",
+    shared=(),
+    block_inputs=lambda stage, h: (),
+    call_block=lambda block, h, extras: block(h),
+    init_buffers=lambda stage, model: None,
+)
+
+SCHEDULE = ScheduleSpec("PluginGPipe", ScheduleGPipe, multi_stage=False, stages_per_rank=1)

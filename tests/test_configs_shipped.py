@@ -1,0 +1,50 @@
+"""Every shipped TOML loads and validates at the world size it is written for, and has the shape it claims."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+
+from pp_tp.config import load_config
+from pp_tp.models.factory import build_model
+from pp_tp.stages.layouts import layout_for
+from pp_tp.stages.plan import plan_stages
+from pp_tp.trainer import check_job
+from train_utils import REPO
+
+# name: (world size, parameters in billions, layers per stage)
+SHIPPED = {
+    "debug_cpu": (4, 0.0002177, [2, 2]),
+    "llama3_8b": (8, 8.03, [16, 16]),
+    "llama3_70b": (32, 70.55, [10] * 8),
+    "llama3_405b": (128, 405.85, [7] + [8] * 14 + [7]),
+}
+
+
+def test_every_shipped_config_is_covered():
+    names = {os.path.basename(p)[:-5] for p in glob.glob(os.path.join(REPO, "toml_configs", "*.toml"))}
+    assert names == set(SHIPPED)
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_shipped_config_validates_at_its_world_size(name, monkeypatch):
+    world, billions, layers = SHIPPED[name]
+    monkeypatch.chdir(REPO)  # data.path in debug_cpu.toml is relative to the repository root
+    cfg = load_config(os.path.join("toml_configs", f"{name}.toml"), world_size=world)
+    check_job(cfg)
+    p = cfg.parallel
+    assert p.pp * p.tp * p.dp_replicate * p.dp_shard == world
+    assert cfg.training.batch_size % (p.dp * p.microbatches) == 0
+    model = build_model(cfg.model)  # on the meta device
+    assert sum(x.numel() for x in model.parameters()) / 1e9 == pytest.approx(billions, rel=1e-3)
+    plan = plan_stages(model, layout_for(model), p, cfg.training.seq_len)
+    assert [len(s.blocks) for s in plan.stages] == layers
+
+
+def test_a_shipped_config_refuses_the_wrong_world_size():
+    from pp_tp.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="parallel.dp_shard = 2"):
+        load_config(os.path.join(REPO, "toml_configs", "llama3_8b.toml"), world_size=16)

@@ -1,0 +1,51 @@
+"""Shared pieces of the trainer, checkpoint and fault tests: a tiny byte-level job and running it."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pp_tp
+
+CORPUS = os.path.join(os.path.dirname(pp_tp.__file__), "data", "patterns.txt")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# 6 steps of a 4-layer byte-level model on the shipped text; small enough for 2 shared cores.
+TINY_JOB = {
+    "model": {"vocab_size": 256, "dim": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64,
+              "max_seq_len": 64},
+    "parallel": {"pp": 2, "tp": 2, "dp_shard": 1, "schedule": "1F1B", "microbatches": 4,
+                 "mixed_precision": "fp32"},
+    "training": {"steps": 6, "batch_size": 16, "seq_len": 32, "lr": 3e-3, "warmup_steps": 2, "log_every": 1,
+                 "comm_timeout_s": 60},
+    "data": {"source": "text", "path": CORPUS},
+    "checkpoint": {"enable": False, "interval": 3, "keep": 2},
+}
+
+
+def job(**sections: dict) -> dict:
+    """TINY_JOB with some keys replaced, e.g. job(parallel={"pp": 4, "tp": 1})."""
+    d = copy.deepcopy(TINY_JOB)
+    for name, values in sections.items():
+        d[name].update(values)
+    return d
+
+
+def to_toml(d: dict) -> str:
+    """The job as TOML text, for the tests that start real processes."""
+    from pp_tp.config import config_from_dict, format_config
+
+    return format_config(config_from_dict(d, world_size=_world(d)))
+
+
+def _world(d: dict) -> int:
+    p = d["parallel"]
+    return p.get("pp", 1) * p.get("tp", 1) * p.get("dp_replicate", 1) * max(p.get("dp_shard", 1), 1)
+
+
+def train_case(d: dict) -> list[dict]:
+    """A harness case: runs the job on this world's ranks; every rank returns its metrics rows."""
+    from pp_tp.config import config_from_dict
+    from pp_tp.trainer import train
+
+    return [{k: r[k] for k in ("step", "loss", "grad_norm", "lr")} for r in train(config_from_dict(d))]
