@@ -14,11 +14,15 @@ import pp_tp
 from pp_tp.config import ModelConfig, ParallelConfig
 from pp_tp.models.factory import build_model
 from pp_tp.models.llama import ModelArgs
+from pp_tp.parallel.grads import clip_grad_norm_
 from pp_tp.tensor_utils import full_tensor
 
 _MESHES: dict = {}
 
 TINY = ModelArgs(vocab_size=96, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=32)
+# AdamW eps above the fp32 roundoff of a gradient element (~1e-9 here): with 1e-8, an element whose gradient is
+# nearly zero turns summation-order noise (TP all-reduces) into a full-size update and params drift by ~3e-5.
+ADAM_EPS = 1e-6
 
 
 def mesh_for(pcfg: ParallelConfig):
@@ -70,13 +74,13 @@ def logits_of(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 def reference_run(state: dict, ids: torch.Tensor, labels: torch.Tensor, args: ModelArgs = TINY, hf: bool = False,
-                  steps: int = 1, lr: float = 1e-3) -> dict:
+                  steps: int = 1, lr: float = 1e-3, max_norm: float | None = None) -> dict:
     """The single-process, non-PP build: loss, gradients and params after `steps` AdamW steps."""
     torch.manual_seed(0)
     model = make_model(args, hf)
     model.load_state_dict(state, strict=False)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
-    losses, grads = [], None
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, eps=ADAM_EPS)
+    losses, grads, norms = [], None, []
     for i in range(steps):
         opt.zero_grad()
         logits = logits_of(model, ids)
@@ -85,9 +89,11 @@ def reference_run(state: dict, ids: torch.Tensor, labels: torch.Tensor, args: Mo
         losses.append(loss.item())
         if i == 0:
             grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+        if max_norm is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
         opt.step()
     params = {k: p.detach().clone() for k, p in model.named_parameters()}
-    return {"losses": losses, "grads": grads, "params": params}
+    return {"losses": losses, "grads": grads, "params": params, "norms": norms}
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -95,7 +101,8 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def run_pipeline(pcfg: ParallelConfig, state: dict, ids: torch.Tensor, labels: torch.Tensor,
-                 args: ModelArgs = TINY, hf: bool = False, steps: int = 1, lr: float = 1e-3) -> dict:
+                 args: ModelArgs = TINY, hf: bool = False, steps: int = 1, lr: float = 1e-3,
+                 max_norm: float | None = None) -> dict:
     """The pipelined build on the same weights and batch; each DP rank takes its slice of the batch."""
     mesh = mesh_for(pcfg)
     model = make_model(args, hf, device="meta")
@@ -104,30 +111,37 @@ def run_pipeline(pcfg: ParallelConfig, state: dict, ids: torch.Tensor, labels: t
     per = ids.shape[0] // pcfg.dp
     ids, labels = ids[dp_rank * per:(dp_rank + 1) * per], labels[dp_rank * per:(dp_rank + 1) * per]
     params = [p for part in pipe.model_parts for p in part.parameters()]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.1)
-    losses, grads = [], None
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.1, eps=ADAM_EPS)
+    losses, grads, norms = [], None, []
     for i in range(steps):
         opt.zero_grad()
         losses.append(pipe.step(ids, labels).item())
         if i == 0:
             grads = {k: full_tensor(p.grad).detach().clone() for part in pipe.model_parts
                      for k, p in part.named_parameters()}
+        if max_norm is not None:
+            norms.append(float(clip_grad_norm_(pipe.model_parts, max_norm, mesh)))
         opt.step()
     out = {k: full_tensor(p).detach().clone() for part in pipe.model_parts for k, p in part.named_parameters()}
-    return {"losses": losses, "grads": grads, "params": out, "pipe": pipe}
+    return {"losses": losses, "grads": grads, "params": out, "pipe": pipe, "norms": norms}
 
 
 def compare(pcfg: ParallelConfig, args: ModelArgs = TINY, hf: bool = False, steps: int = 1, batch_size: int = 8,
-            seq: int = 16, pad: bool = True) -> dict:
-    """Runs both builds; returns plain numbers (picklable) for the test to assert on."""
+            seq: int = 16, pad: bool = True, max_norm: float | None = None) -> dict:
+    """Runs both builds; returns plain numbers (picklable) for the test to assert on.
+
+    With `max_norm`, both clip before every optimizer step: torch's clip_grad_norm_ vs pp_tp's.
+    """
     state = reference_state(args, hf)
     ids, labels = batch(args, batch_size, seq, pad=pad)
-    ref = reference_run(state, ids, labels, args, hf, steps)
-    got = run_pipeline(pcfg, copy.deepcopy(state), ids, labels, args, hf, steps)
+    ref = reference_run(state, ids, labels, args, hf, steps, max_norm=max_norm)
+    got = run_pipeline(pcfg, copy.deepcopy(state), ids, labels, args, hf, steps, max_norm=max_norm)
     grad_err = max(rel_err(g, ref["grads"][k]) for k, g in got["grads"].items())
     param_err = max(rel_err(p, ref["params"][k]) for k, p in got["params"].items())
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"]))
+    norm_err = max((abs(a - b) / b for a, b in zip(got["norms"], ref["norms"])), default=0.0)
     return {"loss_err": loss_err, "grad_err": grad_err, "param_err": param_err, "losses": got["losses"],
+            "norm_err": norm_err, "norms": got["norms"], "ref_norms": ref["norms"],
             "names": sorted(got["grads"]), "all_names": sorted(ref["grads"]),
             "pp_rank": got["pipe"].mesh.get_local_rank("pp")}
 
@@ -135,7 +149,7 @@ def compare(pcfg: ParallelConfig, args: ModelArgs = TINY, hf: bool = False, step
 def assert_parity(results: list[dict], tol: float = 1e-5) -> None:
     """Every rank's loss, gradients and params match; the pp ranks' parameters cover the model exactly once."""
     for r in results:
-        assert r["loss_err"] <= tol and r["grad_err"] <= tol and r["param_err"] <= tol, r
+        assert r["loss_err"] <= tol and r["grad_err"] <= tol and r["param_err"] <= tol and r["norm_err"] <= tol, r
     by_pp = {r["pp_rank"]: r["names"] for r in results}
     union = [n for names in by_pp.values() for n in names]
     assert sorted(union) == results[0]["all_names"], "pp ranks' parameters must cover the model exactly once"

@@ -28,6 +28,7 @@ from torch.distributed.tensor.parallel import (
 from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
 from pp_tp.stages.layouts import ModelLayout
+from pp_tp.stages.stage_module import StageModule
 
 # Style name -> factory (a fresh style per module; None leaves the module whole on every TP rank).
 STYLES: dict[str, Callable[[], ParallelStyle | None]] = {
@@ -47,8 +48,9 @@ STYLES: dict[str, Callable[[], ParallelStyle | None]] = {
     "replicate": lambda: None,
 }
 
-# Which weight dim each sharding style splits, for the divisibility check.
-_SHARDED_DIM = {"colwise": 0, "colwise_gather_output": 0, "rowwise": 1, "vocab_parallel": 0}
+# The nn.Linear weight dim each style splits, for the divisibility check (blocks hold Linear layers;
+# the embedding's vocabulary is checked with the model shape).
+_LINEAR_SHARDED_DIM = {"colwise": 0, "colwise_gather_output": 0, "rowwise": 1}
 
 
 @dataclass
@@ -101,7 +103,7 @@ def block_plan(block: nn.Module, layout: ModelLayout) -> dict[str, str]:
     return {**layout.tp_plan, **{n: "replicated_with_grad_allreduce" for n in layout.qk_norms if n in present}}
 
 
-def stage_plan(stage: nn.Module, pcfg: ParallelConfig) -> dict[str, str]:
+def stage_plan(stage: StageModule, pcfg: ParallelConfig) -> dict[str, str]:
     """The plan for one StageModule: embedding per `parallel.embedding`, its blocks, and the head
     (vocab-sharded logits with `parallel.loss_parallel`, gathered logits otherwise)."""
     lay = stage.layout
@@ -131,11 +133,11 @@ def check_tp_plan(model: nn.Module, layout: ModelLayout, pcfg: ParallelConfig) -
         _refuse_unmatched(report, f"block {layout.blocks}.{key} ({type(block).__name__})")
         unsharded.update(report.unsharded_linears)
         for fqn, style in report.resolved.items():
-            weight = getattr(block.get_submodule(fqn), "weight", None)
-            dim = _SHARDED_DIM.get(style)
-            if dim is not None and weight is not None and weight.shape[dim] % pcfg.tp:
-                raise ConfigError(f"{layout.blocks}.{key}.{fqn}.weight dim {dim} = {weight.shape[dim]} is not "
-                                  f"divisible by parallel.tp = {pcfg.tp} ({style!r}); set parallel.tp to a divisor")
+            module, dim = block.get_submodule(fqn), _LINEAR_SHARDED_DIM.get(style)
+            size = module.weight.shape[dim] if isinstance(module, nn.Linear) and dim is not None else 0
+            if size % pcfg.tp:
+                raise ConfigError(f"{layout.blocks}.{key}.{fqn}.weight dim {dim} = {size} is not divisible by "
+                                  f"parallel.tp = {pcfg.tp} ({style!r}); set parallel.tp to a divisor of {size}")
     if unsharded:
         warnings.warn(f"tensor parallel: Linear layers {sorted(unsharded)} match no TP plan rule and run "
                       "unsharded on every TP rank; add them to the plan (\"replicate\" if intended)", stacklevel=2)

@@ -40,6 +40,7 @@ class ModelLayout:
     ``call_block(block, h, extras)``: runs one block, returning the new hidden state.
     ``init_buffers(stage, model)``: recomputes non-persistent buffers after meta -> device materialization.
     ``tp_plan``: block-relative FQN -> style name, used by the tensor-parallel pass.
+    ``attention``: block-relative name of the attention module (selective activation checkpointing).
     """
 
     name: str
@@ -55,6 +56,7 @@ class ModelLayout:
     init_buffers: Callable[[nn.Module, nn.Module], None]
     tp_plan: dict[str, str] = field(default_factory=dict)
     qk_norms: tuple[str, ...] = ()
+    attention: str = "attention"
     init_std: Callable[[str, int], float | None] = param_init_std
 
     def block_keys(self, model: nn.Module) -> list[str]:
@@ -170,6 +172,7 @@ HF_LLAMA = ModelLayout(
         "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise",
     },
     qk_norms=("self_attn.q_norm", "self_attn.k_norm"),
+    attention="self_attn",
 )
 
 register_layout(HF_LLAMA)

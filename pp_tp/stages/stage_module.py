@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor, wait_tensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from pp_tp.stages.layouts import ModelLayout
 from pp_tp.stages.plan import StageSpec
@@ -66,7 +67,7 @@ class StageModule(nn.Module):
             h = self.get_submodule(lay.head)(self.get_submodule(lay.norm)(h))
         if isinstance(h, AsyncCollectiveTensor):  # a TP all-reduce/all-gather still in flight: finish it here
             h = wait_tensor(h)
-        if type(h) is not torch.Tensor:
+        if is_traceable_wrapper_subclass(h):  # DTensor & co.; a FakeTensor (planner dry run) is plain
             raise TypeError(f"stage {self.spec.index} outputs a {type(h).__name__}; stage boundaries carry plain "
                             "torch.Tensor (a TP style at the stage's edge needs use_local_output=True)")
         return h
