@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from pp_tp.config import ParallelConfig, check_model_shape, resolve_parallel
 from pp_tp.errors import ConfigError
+from pp_tp.parallel.float8 import check_float8
 from pp_tp.parallel.fsdp import grad_factor
 from pp_tp.parallel.tensor_parallel import check_tp_plan
 from pp_tp.schedules.pipeline import BoundaryShapes, Pipeline
@@ -35,6 +36,7 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig, *, 
         raise ConfigError("model.tie_embeddings: tied input/output embeddings are only supported on one rank; "
                           "untie them (model.tie_embeddings = false) for pp/tp/dp > 1")
     check_tp_plan(model, layout, pcfg)
+    check_float8(pcfg, mesh.device_type)
     plan = plan_stages(model, layout, pcfg, seq_len)
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
     pp_rank = mesh.get_local_rank("pp")

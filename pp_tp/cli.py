@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The parser with every subcommand registered; a new subcommand adds its `_add_<name>` below."""
     parser = argparse.ArgumentParser(prog="pp-tp", description="Pipeline- and tensor-parallel Transformer training.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="command")
-    for add in (_add_check, _add_parity):
+    for add in (_add_check, _add_parity, _add_train, _add_plan):
         add(commands)
     return parser
 
@@ -102,6 +102,38 @@ def _parity(args: argparse.Namespace) -> int:
     from pp_tp import parity
 
     return run_ranks(args, "pp_tp.parity", parity.main)
+
+
+def _add_train(commands: argparse._SubParsersAction) -> None:
+    from pp_tp.trainer import add_train_args
+
+    parser = commands.add_parser("train", help="train the job (under torchrun, or on --nproc local ranks)")
+    add_train_args(parser)
+    parser.add_argument("--nproc", type=int, default=None, help="spawn this many local ranks")
+    parser.set_defaults(run=_train)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from pp_tp import trainer
+
+    trainer.check_job(load_config(args.config, args.overrides, args.nproc))
+    return run_ranks(args, "pp_tp.trainer", trainer.main)
+
+
+def _add_plan(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("plan", help="dry-run the job at --world-size ranks in this process (meta device, "
+                                              "fake process group): stages, mesh, memory per rank, bubble")
+    add_config_args(parser)
+    parser.set_defaults(run=_plan)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from pp_tp.planner import format_plan, plan_job
+
+    cfg = load_job(args)
+    p = cfg.parallel
+    print(format_plan(plan_job(cfg, p.pp * p.dp_replicate * p.dp_shard * p.tp)))
+    return 0
 
 
 if __name__ == "__main__":

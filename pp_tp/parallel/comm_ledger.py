@@ -11,20 +11,24 @@ Usage (on every rank; each rank records its own traffic)::
     led.counts()          # {"all_gather": 6, "reduce_scatter": 6, "all_reduce": 9, "send": 12, ...} all steps
     led.counts(step=-1)   # the last step only
     led.bytes(step=1)     # payload bytes per kind in step 1
-    led.events            # every op: CommEvent(step, kind, op, nbytes, group_size)
+    led.counts(step=-1, group=mesh.get_group("dp_shard"))   # only FSDP's dp_shard traffic
+    led.events            # every op: CommEvent(step, kind, op, nbytes, group, group_size)
 
 Keys: "all_gather", "reduce_scatter", "all_reduce", "broadcast", "send", "recv", and when they occur
 "all_to_all", "gather", "scatter", "reduce", "barrier". Steps are numbered from 0; without
-`next_step()` everything lands in step 0; a step without any communication is not numbered. `nbytes` is the op's payload on this rank: the largest
-tensor (or tensor list) it reads or writes, i.e. the gathered output of an all-gather, the unreduced
-input of a reduce-scatter, the tensor of an all-reduce / broadcast / send / recv.
+`next_step()` everything lands in step 0, and a step without any communication gets no number.
+`nbytes` is the op's payload on this rank: the largest tensor (or tensor list) it reads or writes,
+i.e. the gathered output of an all-gather, the unreduced input of a reduce-scatter, the tensor of an
+all-reduce / broadcast / send / recv. `group` is the process group's group_name: FSDP uses the
+dp_shard group (all-gather, reduce-scatter; HSDP adds an all-reduce on dp_replicate), TP the tp group,
+pipelining the pp group.
 
 How it sees the ops: a TorchDispatchMode (the mechanism of torch's CommDebugMode) watching the
 ``c10d`` ops that torch.distributed's Python API dispatches to (FSDP2's all_gather_single /
 reduce_scatter_single, pipelining's batch_isend_irecv, loss all-reduces) and the
 ``_c10d_functional`` ops of DTensor redistribution (TP). The mode is thread-local state that the
 autograd engine carries into backward, so collectives issued from backward hooks are recorded too.
-Tensor subclasses (DTensor) are let through first so that the collectives they lower to are seen.
+DTensor ops are let through first so that the collectives they lower to are seen.
 Cost: every op of the step passes through Python while the ledger is open; measure time outside it.
 Compiled regions (torch.compile) are not inspected.
 """
@@ -36,6 +40,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -58,6 +64,8 @@ _KINDS = {
 }
 _NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd", "c10d_functional")
 
+GroupLike = dist.ProcessGroup | str | None
+
 
 @dataclass(frozen=True)
 class CommEvent:
@@ -65,6 +73,7 @@ class CommEvent:
     kind: str
     op: str
     nbytes: int
+    group: str | None
     group_size: int | None
 
 
@@ -77,23 +86,23 @@ def _payload_bytes(values: Any) -> int:
     return best
 
 
-def _group_size(args: tuple[Any, ...]) -> int | None:
-    """The size of the op's process group: c10d ops carry it boxed, functional collectives by name."""
+def _group_of(args: tuple[Any, ...]) -> tuple[str | None, int | None]:
+    """(name, size) of the op's process group: c10d ops carry it boxed, functional collectives by name."""
     from torch._C._distributed_c10d import ProcessGroup
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     for a in reversed(args):
-        if isinstance(a, torch.ScriptObject):
-            try:
-                return ProcessGroup.unbox(a).size()
-            except RuntimeError:
+        try:
+            if isinstance(a, torch.ScriptObject):
+                pg = ProcessGroup.unbox(a)
+            elif isinstance(a, str):
+                pg = _resolve_process_group(a)
+            else:
                 continue
-        if isinstance(a, str):
-            try:
-                return _resolve_process_group(a).size()
-            except (RuntimeError, ValueError, KeyError):
-                continue
-    return None
+        except (RuntimeError, ValueError, KeyError):
+            continue
+        return pg.group_name, pg.size()
+    return None, None
 
 
 class CommLedger(TorchDispatchMode):
@@ -112,8 +121,8 @@ class CommLedger(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if any(t is not torch.Tensor for t in types):
-            return NotImplemented  # let the subclass (DTensor) lower itself; its collectives come back here
+        if DTensor in types:
+            return NotImplemented  # let DTensor lower the op first; the collectives it issues come back here
         out = func(*args, **kwargs)
         packet = getattr(func, "_overloadpacket", None)
         ns = getattr(func, "namespace", None)
@@ -122,23 +131,28 @@ class CommLedger(TorchDispatchMode):
             if kind is not None:
                 self.events.append(CommEvent(self.step, kind, f"{ns}.{packet.__name__}",
                                              _payload_bytes(list(args) + list(kwargs.values()) + [out]),
-                                             _group_size(args)))
+                                             *_group_of(args)))
         return out
 
-    def _select(self, step: int | None) -> list[CommEvent]:
-        if step is None:
-            return self.events
-        if step < 0:  # counted from the last step that recorded anything
-            step += (self.events[-1].step if self.events else 0) + 1
-        return [e for e in self.events if e.step == step]
+    def _select(self, step: int | None, group: GroupLike) -> list[CommEvent]:
+        events = self.events
+        if step is not None:
+            if step < 0:  # counted from the last step that recorded anything
+                step += (events[-1].step if events else 0) + 1
+            events = [e for e in events if e.step == step]
+        if group is not None:
+            name = group if isinstance(group, str) else group.group_name
+            events = [e for e in events if e.group == name]
+        return events
 
-    def counts(self, step: int | None = None) -> dict[str, int]:
-        """Number of ops per kind, over all steps or in one step (negative counts from the last)."""
-        return dict(Counter(e.kind for e in self._select(step)))
+    def counts(self, step: int | None = None, group: GroupLike = None) -> dict[str, int]:
+        """Number of ops per kind, over all steps or in one step (negative counts from the last),
+        optionally only those on one process group (a ProcessGroup or its group_name)."""
+        return dict(Counter(e.kind for e in self._select(step, group)))
 
-    def bytes(self, step: int | None = None) -> dict[str, int]:
-        """Payload bytes per kind, over all steps or in one step."""
+    def bytes(self, step: int | None = None, group: GroupLike = None) -> dict[str, int]:
+        """Payload bytes per kind; `step` and `group` as in counts()."""
         total: Counter[str] = Counter()
-        for e in self._select(step):
+        for e in self._select(step, group):
             total[e.kind] += e.nbytes
         return dict(total)

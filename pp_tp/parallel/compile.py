@@ -1,4 +1,10 @@
-"""Placeholder pass: its issue fills it in."""
+"""Per-block torch.compile (`parallel.compile = true`).
+
+`Module.compile()` compiles the block in place, so parameter names stay the full model's (wrapping in
+torch.compile(module) would add `_orig_mod.`). Per block rather than per stage: identical blocks share
+compiled code (3 blocks -> 2 graphs, measured), and FSDP's per-block hooks, which dynamo skips, run
+eagerly around each compiled block.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,18 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from pp_tp.config import ParallelConfig
 
+# The torch.compile backend. CPU tests set "aot_eager": inductor builds here but takes minutes per block.
+BACKEND = "inductor"
+
+
+def is_compiled(module: nn.Module) -> bool:
+    return getattr(module, "_compiled_call_impl", None) is not None
+
 
 def apply_compile(stage: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig) -> bool:
-    """Returns True when it changed the stage."""
-    return False
+    """Compiles every block of the stage in place; True when it changed the stage."""
+    if not pcfg.compile or not stage.blocks():
+        return False
+    for block in stage.blocks():
+        block.compile(backend=BACKEND)
+    return True

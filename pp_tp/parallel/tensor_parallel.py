@@ -2,8 +2,10 @@
 
 Stage boundaries carry plain tensors, so every style hands back local tensors: column-parallel outputs
 stay sharded on features (heads) inside a block, row-parallel outputs are all-reduced back to
-replicated activations. A plan maps module FQNs (``*`` matches one name component, as in
-``parallelize_module``) to style names in STYLES. A block's plan is its class's ``_tp_plan`` when it
+replicated activations. The attention and MLP inputs enter as Replicate DTensors ("replicate_input"), so
+backward all-reduces once per sub-block rather than once per column-parallel layer: per block and microbatch,
+2 all-reduces in forward and 2 in backward (Megatron's g and f). A plan maps module FQNs (``*`` matches
+one name component, as in ``parallelize_module``) to style names in STYLES. A block's plan is its class's ``_tp_plan`` when it
 declares one, else the model layout's ``tp_plan`` plus its q/k norms.
 """
 
@@ -12,8 +14,9 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from fnmatch import fnmatch
-from typing import Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
@@ -29,6 +32,33 @@ from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
 from pp_tp.stages.layouts import ModelLayout
 from pp_tp.stages.stage_module import StageModule
+
+
+class ReplicateInput(ParallelStyle):
+    """Makes a sub-block's hidden-state input a Replicate DTensor (Megatron's f); other arguments pass untouched.
+
+    The column-parallel layers reading it return Partial input gradients that autograd adds up locally;
+    leaving the DTensor in backward all-reduces the sum once. Everything in the module that reads the
+    hidden state must therefore be a TP-styled layer. The hidden state is the first positional argument,
+    else the ``hidden_states`` keyword (how HF decoder layers call attention). Not PrepareModuleInput:
+    that needs the module's exact positional arity, which differs between (x, rope), (x,) and keyword calls.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def replicate(x: torch.Tensor) -> DTensor:
+            return DTensor.from_local(x, device_mesh, (Replicate(),), run_check=False)
+
+        def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+            if args:
+                return (replicate(args[0]), *args[1:]), kwargs
+            if "hidden_states" not in kwargs:
+                raise TypeError(f"{type(mod).__name__} (TP style 'replicate_input') got no positional argument "
+                                "and no hidden_states keyword to replicate")
+            return args, {**kwargs, "hidden_states": replicate(kwargs["hidden_states"])}
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
 
 # Style name -> factory (a fresh style per module; None leaves the module whole on every TP rank).
 STYLES: dict[str, Callable[[], ParallelStyle | None]] = {
@@ -46,7 +76,12 @@ STYLES: dict[str, Callable[[], ParallelStyle | None]] = {
     "replicated_with_grad_allreduce": lambda: SequenceParallel(sequence_dim=2, use_local_output=True),
     # Left whole on every TP rank; listed so verify() does not report its Linear layers as forgotten.
     "replicate": lambda: None,
+    # On an attention / MLP module: one all-reduce of its input gradient per microbatch (ReplicateInput).
+    "replicate_input": ReplicateInput,
 }
+
+# Styles that only prepare a module's inputs: its Linear layers still need rules of their own.
+_INPUT_STYLES = {"replicate_input"}
 
 # The nn.Linear weight dim each style splits, for the divisibility check (blocks hold Linear layers;
 # the embedding's vocabulary is checked with the model shape).
@@ -89,8 +124,9 @@ def verify(module: nn.Module, plan: Mapping[str, str]) -> PlanReport:
         hits = [n for n in names if _matches(rule, n)]
         unmatched += [] if hits else [rule]
         resolved.update(dict.fromkeys(hits, style))
+    covered = [c for c, style in resolved.items() if style not in _INPUT_STYLES]
     unsharded = [n for n, m in module.named_modules() if isinstance(m, nn.Linear)
-                 and not any(n == c or n.startswith(c + ".") for c in resolved)]
+                 and not any(n == c or n.startswith(c + ".") for c in covered)]
     return PlanReport(resolved, unmatched, unsharded)
 
 

@@ -62,7 +62,8 @@ def _gather_params_once(schedule: _PipelineScheduleRuntime) -> None:
     """
     order = schedule.pipeline_order_with_comms
     for rank, actions in order.items():
-        local = sorted({a.stage_index for a in actions if a.computation_type not in (UNSHARD, RESHARD)})
+        local = sorted({leaf.stage_index for a in actions if a.computation_type not in (UNSHARD, RESHARD)
+                        for leaf in (a.sub_actions or (a,))})  # OVERLAP_F_B has stage -1, its parts real ones
         body = [a for a in actions if a.computation_type not in (UNSHARD, RESHARD)]
         order[rank] = ([_Action(s, UNSHARD, None) for s in local] + body
                        + [_Action(s, RESHARD, None) for s in local])
