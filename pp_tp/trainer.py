@@ -88,6 +88,9 @@ def train(cfg: JobConfig) -> list[dict]:
         step = ckpt.load(resume)
         if dist.get_rank() == 0:
             print(f"resumed from {resume} at step {step}", flush=True)
+            if step >= t.steps:
+                print(f"nothing to train: the run is complete (training.steps = {t.steps}); raise training.steps "
+                      f"to continue or delete {cfg.checkpoint.folder} to start over", flush=True)
     flops = dims.n_layers * cost.block_flops(dims, t.seq_len) + cost.head_flops(dims) + cost.embed_flops(dims)
     device_peak = (peak_flops(torch.cuda.get_device_name())
                    if mesh.device_type == "cuda" and cfg.parallel.mixed_precision == "bf16" else None)
