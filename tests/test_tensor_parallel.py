@@ -4,10 +4,12 @@ against the single-process non-PP, non-TP build on the same weights and batch.""
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import pp_tp
@@ -46,6 +48,9 @@ def test_block_class_tp_plan_wins_and_verify_reports():
     assert not report.ok
     ok = verify(block, {"attn.*": "colwise", "out": "rowwise", "gate": "replicate"})
     assert ok.ok and ok.resolved["gate"] == "replicate"
+    # An input style on a parent does not cover the Linear layers inside it.
+    inputs_only = verify(block, {"attn": "replicate_input", "out": "rowwise", "gate": "replicate"})
+    assert inputs_only.unsharded_linears == ["attn.q", "attn.k"]
 
 
 def test_unknown_style_is_one_line_config_error():
@@ -68,6 +73,8 @@ def test_builtin_layout_plans_cover_every_linear(hf, qk_norm):
     # HF LlamaDecoderLayer has no q/k norms whatever the flag; the reference block has them with qk_norm.
     assert norms == ({"attention.q_norm", "attention.k_norm"} if qk_norm and not hf else set())
     assert sum(s == "colwise" for s in plan.values()) == 5 and sum(s == "rowwise" for s in plan.values()) == 2
+    inputs = {n for n, s in plan.items() if s == "replicate_input"}
+    assert inputs == ({"self_attn", "mlp"} if hf else {"attention", "feed_forward"})
 
 
 def test_check_tp_plan_refuses_bad_declared_plans_before_building():
@@ -146,49 +153,65 @@ def test_tp4_and_pp2_tp2_parity(world):
 # --- communication counts ------------------------------------------------------------------------------
 
 class _CollectiveLog(TorchDispatchMode):
-    """Records DTensor's communication (functional collectives) as (op name, input shape)."""
+    """Records DTensor's communication (functional collectives) as (phase, op name, input shape); phase is
+    "bwd" inside autograd's backward, "fwd" elsewhere (forward, loss, and the step's end)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.calls: list[tuple[str, tuple[int, ...]]] = []
+        self.calls: Counter[tuple[str, str, tuple[int, ...]]] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "_c10d_functional" and func._opname != "wait_tensor":
-            self.calls.append((func._opname, tuple(args[0].shape)))
+        if DTensor in types:
+            return NotImplemented  # let DTensor lower its op first, so the collectives inside it are seen too
+        if func.namespace == "_c10d_functional" and func._opname not in ("wait_tensor", "_wrap_tensor_autograd"):
+            phase = "bwd" if torch._C._current_graph_task_id() != -1 else "fwd"
+            self.calls[(phase, func._opname, tuple(args[0].shape))] += 1
         return func(*args, **(kwargs or {}))
 
 
-def _count_collectives(microbatches: int, loss_parallel: bool) -> dict:
-    pcfg = pcfg_of(tp=2, microbatches=microbatches, loss_parallel=loss_parallel)
-    pipe = pp_tp.build_pipeline(make_model(QKB, device="meta"), mesh_for(pcfg), pcfg)
-    ids, labels = batch(QKB, 4, 6)  # 6 * microbatch rows never equals head_dim 8
+ROWS, SEQ = 4, 6  # 4 rows: 1 and 4 microbatches
+
+
+def _count_collectives(hf: bool, microbatches: int, vocab_parallel: bool) -> dict:
+    args = HF_BIAS if hf else QKB
+    pcfg = pcfg_of(tp=2, microbatches=microbatches, **(VOCAB_PAR if vocab_parallel else {}))
+    pipe = pp_tp.build_pipeline(make_model(args, hf, device="meta"), mesh_for(pcfg), pcfg)
     with _CollectiveLog() as log:
-        pipe.step(ids, labels)
+        pipe.step(*batch(args, ROWS, SEQ))
     norms = [p for part in pipe.model_parts for n, p in part.named_parameters() if n.endswith(("q_norm.weight",
                                                                                                "k_norm.weight"))]
-    head_dim = QKB.dim // QKB.n_heads
-    return {
-        "norm_grad_all_reduces": sum(op == "all_reduce" and shape == (head_dim,) for op, shape in log.calls),
-        "all_gathers": sum(op.startswith("all_gather") for op, _ in log.calls),
-        "norm_grad_placements": {str(p.grad.placements) for p in norms},
-        "n_norms": len(norms),
-    }
+    return {"calls": dict(log.calls), "norm_grad_placements": {str(p.grad.placements) for p in norms}}
+
+
+_COUNT_CASES = [(False, 1, False), (False, 4, False), (False, 4, True), (True, 1, False), (True, 4, True)]
 
 
 def _collective_cases() -> list[dict]:
-    return [_count_collectives(m, lp) for m, lp in ((1, False), (4, False), (4, True))]
+    return [_count_collectives(*case) for case in _COUNT_CASES]
 
 
-def test_qk_norm_grads_reduced_once_per_step_and_loss_parallel_never_gathers(world):
-    per_rank = world(2).run(_collective_cases)
-    for one_mb, four_mb, loss_par in per_rank:
-        n_norms = 2 * QKB.n_layers
-        for r in (one_mb, four_mb, loss_par):
-            # One all-reduce per q/k-norm weight per step, whatever the microbatch count.
-            assert r["n_norms"] == n_norms and r["norm_grad_all_reduces"] == n_norms, r
-            assert r["norm_grad_placements"] == {"(Replicate(),)"}, r
-        # Gathered logits: one all-gather per microbatch forward; loss parallel: none, in forward or backward.
-        assert (one_mb["all_gathers"], four_mb["all_gathers"], loss_par["all_gathers"]) == (1, 4, 0)
+def test_tp_all_reduces_two_forward_two_backward_per_block_and_microbatch(world):
+    for per_case in world(2).run(_collective_cases):
+        for (hf, m, vocab_par), got in zip(_COUNT_CASES, per_case):
+            args = HF_BIAS if hf else QKB
+            n_layers, rows = args.n_layers, ROWS // m
+            hidden, tokens = (rows, SEQ, args.dim), (rows * SEQ, 1)
+            expected = {
+                # Per block and microbatch: attention out and MLP down (row-parallel); a vocab-parallel embedding
+                # adds its lookup's sum per microbatch.
+                ("fwd", "all_reduce", hidden): (2 * n_layers + vocab_par) * m,
+                # Per block and microbatch: the attention and MLP input gradients (replicate_input); the head's
+                # input gradient per microbatch. The embedding's input (token ids) needs none.
+                ("bwd", "all_reduce", hidden): (2 * n_layers + 1) * m,
+            }
+            if not hf:  # the reference block's q/k norms: one all-reduce per weight per step, after the backward
+                expected[("fwd", "all_reduce", (args.dim // args.n_heads,))] = 2 * n_layers
+            if vocab_par:  # vocab-parallel cross-entropy: max, sum of exp and target logit per microbatch; no gather
+                expected[("fwd", "all_reduce", tokens)] = 3 * m
+            else:  # gathered logits: one all-gather per microbatch forward
+                expected[("fwd", "all_gather_into_tensor", (rows, SEQ, args.vocab_size // 2))] = m
+            assert got["calls"] == expected, (hf, m, vocab_par, got["calls"])
+            assert got["norm_grad_placements"] == (set() if hf else {"(Replicate(),)"})
 
 
 # --- shape checks before any collective -----------------------------------------------------------------

@@ -5,8 +5,8 @@ stay sharded on features (heads) inside a block, row-parallel outputs are all-re
 replicated activations. The attention and MLP inputs enter as Replicate DTensors ("replicate_input"), so
 backward all-reduces once per sub-block rather than once per column-parallel layer: per block and microbatch,
 2 all-reduces in forward and 2 in backward (Megatron's g and f). A plan maps module FQNs (``*`` matches
-one name component, as in ``parallelize_module``) to style names in STYLES. A block's plan is its class's ``_tp_plan`` when it
-declares one, else the model layout's ``tp_plan`` plus its q/k norms.
+one name component, as in ``parallelize_module``) to style names in STYLES. A block's plan is its class's
+``_tp_plan`` when it declares one, else the model layout's ``tp_plan`` plus its q/k norms.
 """
 
 from __future__ import annotations

@@ -39,7 +39,8 @@ class ModelLayout:
     ``block_inputs(stage, h)``: the extra positional args each block needs after the hidden state.
     ``call_block(block, h, extras)``: runs one block, returning the new hidden state.
     ``init_buffers(stage, model)``: recomputes non-persistent buffers after meta -> device materialization.
-    ``tp_plan``: block-relative FQN -> style name, used by the tensor-parallel pass.
+    ``tp_plan``: block-relative FQN -> style name, used by the tensor-parallel pass. "replicate_input" on the
+    attention and MLP modules makes backward all-reduce once per sub-block, not once per column-parallel Linear.
     ``attention``: block-relative name of the attention module (selective activation checkpointing).
     """
 
@@ -99,6 +100,7 @@ def _ref_init_buffers(stage: nn.Module, model: Transformer) -> None:
 
 
 _BLOCK_TP_PLAN = {
+    "attention": "replicate_input", "feed_forward": "replicate_input",
     "attention.wq": "colwise", "attention.wk": "colwise", "attention.wv": "colwise", "attention.wo": "rowwise",
     "feed_forward.w1": "colwise", "feed_forward.w3": "colwise", "feed_forward.w2": "rowwise",
 }
@@ -167,6 +169,7 @@ HF_LLAMA = ModelLayout(
     call_block=_hf_call_block,
     init_buffers=_hf_init_buffers,
     tp_plan={
+        "self_attn": "replicate_input", "mlp": "replicate_input",
         "self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
         "self_attn.o_proj": "rowwise",
         "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise",
