@@ -1,0 +1,263 @@
+"""Schedule pictures: a real step on every rank and the simulated schedule as one Chrome/Perfetto trace.
+
+Open the JSON at https://ui.perfetto.dev (or chrome://tracing): one process row per rank, compute
+(F, B, I, W, loss) on one track and pipeline p2p waits / gradient reduction on another; the empty
+stretches are the bubble. The simulated schedule of the same (schedule, pp, m) sits below the
+measured one, so the measured bubble can be read next to the predicted one.
+
+Bubble fraction here is idle time over compute time per rank (Narayanan et al. 2021: (p-1)/m for
+GPipe and 1F1B, (p-1)/(v*m) interleaved), so measured, simulated and theoretical values compare directly.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+from unittest import mock
+
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as torch_schedules
+from torch.distributed.pipelining.schedules import (
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
+    FULL_BACKWARD,
+    OVERLAP_F_B,
+    _Action,
+)
+
+from pp_tp.schedules.registry import get_schedule_spec, is_csv_schedule, read_csv_schedule
+
+# Relative compute cost of each action in the simulation: a full backward is two forwards.
+ACTION_COST = {FORWARD: 1.0, BACKWARD_INPUT: 1.0, BACKWARD_WEIGHT: 1.0, FULL_BACKWARD: 2.0}
+
+
+@dataclass(frozen=True)
+class Span:
+    """One box on the timeline. `start`/`dur` are seconds from the step start (measured) or cost units (simulated)."""
+
+    rank: int
+    name: str
+    kind: str  # "compute" or "comm"
+    start: float
+    dur: float
+
+
+# ---------------------------------------------------------------------------------------------
+# The schedule as torch orders it, and its simulation
+
+
+def _looped_order(pp: int, microbatches: int, warmup: Callable[[int], int]) -> dict[int, list[_Action]]:
+    """What torch's GPipe and 1F1B loops run on stage s: `warmup(s)` forwards, then B/F pairs, then the Bs."""
+    order = {}
+    for s in range(pp):
+        fwd = [_Action(s, FORWARD, i) for i in range(microbatches)]
+        bwd = [_Action(s, FULL_BACKWARD, i) for i in range(microbatches)]
+        w = warmup(s)
+        order[s] = fwd[:w] + [a for pair in zip(bwd, fwd[w:]) for a in pair] + bwd[microbatches - w:]
+    return order
+
+
+def schedule_actions(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1) -> list[list[_Action]]:
+    """The compute actions of every pp rank in the order torch runs them.
+
+    GPipe and 1F1B run hand-written loops in torch (their `pipeline_order` is only a picture, and for
+    1F1B's last rank it is off by one microbatch in torch 2.13), so their order is read off those loops.
+    Other schedules run their `pipeline_order`, built here from mock stages (no process group needed;
+    unlike torch's `get_schedule_ops` this also takes one stage per rank), or a CSV's rows.
+    """
+    if schedule == "GPipe":
+        order = _looped_order(pp, microbatches, lambda s: microbatches)
+    elif schedule == "1F1B":
+        order = _looped_order(pp, microbatches, lambda s: min(microbatches, pp - s))
+    elif is_csv_schedule(schedule):
+        order = read_csv_schedule(schedule)
+    else:
+        spec = get_schedule_spec(schedule)
+        stage = mock.create_autospec(PipelineStage, instance=True)
+        stage.group_rank, stage.group_size, stage.submod = 0, pp, None
+        stage.num_stages = pp * stages_per_rank
+        order = spec.cls([stage] * stages_per_rank if spec.multi_stage else stage, microbatches).pipeline_order
+    return [[a for a in order[r] if a is not None and a.is_compute_op] for r in range(pp)]
+
+
+def _leaves(action: _Action) -> tuple[_Action, ...]:
+    return action.sub_actions if action.computation_type == OVERLAP_F_B else (action,)
+
+
+def simulate(actions: list[list[_Action]], cost: Callable[[_Action], float] = lambda a: ACTION_COST[a.computation_type]
+             ) -> list[Span]:
+    """Start and end of every action when each rank runs its list in order as soon as its inputs exist.
+
+    Home-made: torch's `_simulate_comms_compute` has no durations and its visualizer's
+    `add_schedule_op_spacing` stalls on 1F1B in torch 2.13. F(s) waits for F(s-1); B or I(s) for
+    B or I(s+1) (the last stage for its own F); W for its I. p2p is free.
+    """
+    num_stages = 1 + max(leaf.stage_index for acts in actions for a in acts for leaf in _leaves(a))
+    done: dict[tuple[int, Any, int], float] = {}
+
+    def ready(a: _Action) -> float | None:
+        s, kind, mb = a.stage_index, a.computation_type, a.microbatch_index
+        if kind == FORWARD:
+            deps = [] if s == 0 else [[(s - 1, FORWARD, mb)]]
+        elif kind == BACKWARD_WEIGHT:
+            deps = [[(s, BACKWARD_INPUT, mb)]]
+        elif s == num_stages - 1:
+            deps = [[(s, FORWARD, mb)]]
+        else:  # one of the two ways the next stage produces this stage's output gradient
+            deps = [[(s + 1, FULL_BACKWARD, mb), (s + 1, BACKWARD_INPUT, mb)]]
+        times = []
+        for options in deps:
+            found = [done[k] for k in options if k in done]
+            if not found:
+                return None
+            times.append(min(found))
+        return max(times, default=0.0)
+
+    spans: list[Span] = []
+    free = [0.0] * len(actions)
+    pos = [0] * len(actions)
+    while any(pos[r] < len(acts) for r, acts in enumerate(actions)):
+        progressed = False
+        for r, acts in enumerate(actions):
+            while pos[r] < len(acts):
+                leaves = _leaves(acts[pos[r]])
+                starts = [ready(leaf) for leaf in leaves]
+                if any(t is None for t in starts):
+                    break
+                t = max([free[r], *starts])
+                for leaf in leaves:
+                    spans.append(Span(r, str(leaf), "compute", t, cost(leaf)))
+                    t += cost(leaf)
+                    done[(leaf.stage_index, leaf.computation_type, leaf.microbatch_index)] = t
+                free[r], pos[r], progressed = t, pos[r] + 1, True
+        if not progressed:
+            stuck = {r: str(acts[pos[r]]) for r, acts in enumerate(actions) if pos[r] < len(acts)}
+            raise ValueError(f"schedule does not progress; next actions per rank: {stuck}")
+    return spans
+
+
+def bubble_fraction(spans: list[Span], makespan: float | None = None) -> list[float]:
+    """Idle over compute time per rank, the step lasting `makespan` (default: the last span's end)."""
+    end = makespan if makespan is not None else max(s.start + s.dur for s in spans)
+    ranks = sorted({s.rank for s in spans})
+    busy = {r: sum(s.dur for s in spans if s.rank == r and s.kind == "compute") for r in ranks}
+    return [(end - busy[r]) / busy[r] for r in ranks]
+
+
+def theoretical_bubble(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1) -> float | None:
+    """Narayanan et al.: (p-1)/m for GPipe and 1F1B, (p-1)/(v*m) for Interleaved1F1B; None for the rest."""
+    if schedule in ("GPipe", "1F1B"):
+        return (pp - 1) / microbatches
+    if schedule == "Interleaved1F1B":
+        return (pp - 1) / (stages_per_rank * microbatches)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Recording a real step
+
+
+class StepRecorder:
+    """Records this rank's compute and p2p spans while a pipeline schedule runs one step.
+
+    Wraps, on the instances only, the stages' forward/backward chunk calls and gradient reduction and
+    the schedule's loss; and, for the `with` block, torch's p2p wait helper, which both its
+    single-stage and runtime schedules call. Everything is restored on exit.
+    """
+
+    _STAGE_CALLS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk", "perform_reduce_grad")
+
+    def __init__(self, schedule: Any, rank: int | None = None):
+        self.schedule = schedule
+        self.stages = list(getattr(schedule, "_stages", None) or [schedule._stage])
+        self.rank = rank if rank is not None else self.stages[0].group_rank
+        self.spans: list[Span] = []
+        self.t0 = 0.0
+        self.wall = 0.0
+
+    def _timed(self, fn: Callable, name: Callable[..., str | None], kind: str) -> Callable:
+        """`fn` recording a span named `name(*args)` (None: not recorded)."""
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                end = time.perf_counter()
+                label = name(*args, **kwargs)
+                if label is not None:
+                    self.spans.append(Span(self.rank, label, kind, t - self.t0, end - t))
+        return wrapper
+
+    def _stage_wrappers(self, stage: Any) -> dict[str, Callable]:
+        s = stage.stage_index
+        names = {
+            "forward_one_chunk": lambda mb, *a, **k: f"{s}F{mb}",
+            "backward_one_chunk": lambda mb, *a, **k: f"{s}{'B' if k.get('full_backward', True) else 'I'}{mb}",
+            "backward_weight_one_chunk": lambda mb, *a, **k: f"{s}W{mb}",
+            "perform_reduce_grad": lambda *a, **k: f"{s} reduce_grad",
+        }
+        return {call: self._timed(getattr(stage, call), names[call],
+                                  "comm" if call == "perform_reduce_grad" else "compute")
+                for call in self._STAGE_CALLS}
+
+    def __enter__(self) -> "StepRecorder":
+        for stage in self.stages:
+            for call, wrapper in self._stage_wrappers(stage).items():
+                setattr(stage, call, wrapper)
+        self.schedule._maybe_compute_loss = self._timed(
+            self.schedule._maybe_compute_loss,
+            lambda stage, out, tgt, mb, *a: f"{stage.stage_index}L{mb}" if stage.is_last else None, "compute")
+        self._wait = torch_schedules._wait_batch_p2p
+        torch_schedules._wait_batch_p2p = self._timed(self._wait, lambda *a, **k: "p2p wait", "comm")
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.wall = time.perf_counter() - self.t0
+        torch_schedules._wait_batch_p2p = self._wait
+        for stage in self.stages:
+            for call in self._STAGE_CALLS:
+                del stage.__dict__[call]
+        del self.schedule.__dict__["_maybe_compute_loss"]
+
+
+def record_step(schedule: Any, step: Callable[[], Any],
+                group: dist.ProcessGroup | None = None) -> tuple[list[Span], float]:
+    """Runs `step()` between two barriers of `group`, recording it; returns this rank's spans and wall seconds."""
+    dist.barrier(group=group)
+    with StepRecorder(schedule) as rec:
+        step()
+        dist.barrier(group=group)
+    return rec.spans, rec.wall
+
+
+# ---------------------------------------------------------------------------------------------
+# Chrome trace
+
+
+def chrome_trace(sections: list[tuple[str, list[Span], float]]) -> dict:
+    """Trace JSON, one process per (section, rank); a section is (label, spans, microseconds per span unit):
+    1e6 for measured spans (seconds), the chosen length of one cost unit for simulated ones."""
+    events: list[dict] = []
+    for i, (label, spans, us_per_unit) in enumerate(sections):
+        for r in sorted({s.rank for s in spans}):
+            pid = 1000 * i + r
+            events += [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"{label} rank {r}"}},
+                       {"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": pid}},
+                       {"name": "thread_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": "compute"}},
+                       {"name": "thread_name", "ph": "M", "pid": pid, "tid": 1, "args": {"name": "comm"}}]
+        events += [{"name": s.name, "cat": s.kind, "ph": "X", "pid": 1000 * i + s.rank,
+                    "tid": 0 if s.kind == "compute" else 1, "ts": s.start * us_per_unit, "dur": s.dur * us_per_unit}
+                   for s in spans]
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_trace(path: str, trace: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(trace, f)
