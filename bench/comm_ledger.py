@@ -24,9 +24,11 @@ import torch
 from common import World, batch, stages_per_rank, table
 
 import pp_tp
+from pp_tp.errors import ConfigError
 from pp_tp.models.llama import ModelArgs, Transformer
 from pp_tp.parallel.comm_ledger import CommLedger
 from pp_tp.planner import tp_local_numel
+from pp_tp.schedules.registry import check_schedule
 
 GROUPS = ("dp_shard", "tp", "pp")
 COLUMNS = (("dp_shard", "all_gather"), ("dp_shard", "reduce_scatter"), ("tp", "all_reduce"), ("tp", "all_gather"),
@@ -109,9 +111,15 @@ def main() -> None:
     rows, seq = 2 * a.m, 16
     out = [("schedule", "reshard", "pp rank", *(f"{g}:{k}" for g, k in COLUMNS), "other", "bytes meas/min")]
     world = World(8)
+    refused = []
     try:
         for schedule in a.schedules:
             for policy in a.policies:
+                try:  # combinations the config refuses (zero-bubble with "always") have no row
+                    check_schedule(2, stages_per_rank(schedule), a.m, schedule, policy)
+                except ConfigError as e:
+                    refused.append(f"{schedule}/{policy}: {e}")
+                    continue
                 for r in filter(None, world.run(measure, schedule, policy, args, rows, seq, a.m)):
                     meas, low = r["measured"], r["minimum"]
                     cells = [f"{meas.get(key, (0, 0))[0]}/{low.get(key, (0, 0))[0]}" for key in COLUMNS]
@@ -124,6 +132,7 @@ def main() -> None:
     print(f"pp2 x dp_shard2 x tp2, fp32; model dim={args.dim} layers={args.n_layers} vocab={args.vocab_size}; "
           f"global batch {rows}x{seq}, m={a.m}; cells: measured/minimum ops per step")
     print(table(out))
+    print("\n".join(f"refused {line}" for line in refused))
 
 
 if __name__ == "__main__":

@@ -252,7 +252,7 @@ def resolve_parallel(pcfg: ParallelConfig, world_size: int | None = None) -> Par
                           "set parallel.dp_shard = -1")
     p = dataclasses.replace(p, dp_shard=_resolve_dp_shard(p, _world_size(p, world_size)))
     _check_reshard_group(p)
-    check_schedule(p.pp, p.stages_per_rank, p.microbatches, p.schedule)
+    check_schedule(p.pp, p.stages_per_rank, p.microbatches, p.schedule, p.fsdp_reshard_after_forward)
     _check_split_lists(p)
     return p
 

@@ -150,3 +150,12 @@ def test_uneven_padding_across_dp_ranks_is_exact(world):
     for r in world(4).run(all_padding_on_one_rank_case):
         got, ref = r["losses"]
         assert got == pytest.approx(ref, rel=1e-5) and r["grad_err"] < 1e-5, r
+
+
+def test_zero_bubble_schedules_refuse_resharding_between_input_and_weight_gradients():
+    for schedule in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"):
+        for policy in ("always", 2):
+            with pytest.raises(ConfigError, match="fsdp_reshard_after_forward"):
+                check_schedule(2, 2, 4, schedule, policy)
+        check_schedule(2, 2, 4, schedule, "default")
+    check_schedule(2, 2, 4, "Interleaved1F1B", "always")

@@ -23,6 +23,8 @@ class ScheduleSpec:
     ``stages_per_rank``: a fixed count, or None for any count >= ``min_stages_per_rank``.
     ``mapping``: "loop" (stage s on rank s % pp) or "v" (rank r owns r and 2*pp-1-r).
     ``check_microbatches(pp, num_stages, m)`` returns an error text, or None when m is fine.
+    ``splits_weight_grad``: runs weight gradients (W) apart from input gradients (B), as zero-bubble
+    schedules do; with FSDP resharding between them, torch 2.13 leaves some gradients unset.
     """
 
     name: str
@@ -32,6 +34,7 @@ class ScheduleSpec:
     stages_per_rank: int | None = None
     min_stages_per_rank: int = 1
     check_microbatches: Callable[[int, int, int], str | None] = lambda pp, s, m: None
+    splits_weight_grad: bool = False
 
 
 def _at_least_stages(pp: int, num_stages: int, m: int) -> str | None:
@@ -63,11 +66,12 @@ for _spec in (
     ScheduleSpec("1F1B", pl.Schedule1F1B, multi_stage=False, stages_per_rank=1, check_microbatches=_at_least_stages),
     ScheduleSpec("Interleaved1F1B", pl.ScheduleInterleaved1F1B, multi_stage=True, check_microbatches=_rounds),
     ScheduleSpec("LoopedBFS", pl.ScheduleLoopedBFS, multi_stage=True, check_microbatches=_at_least_pp),
-    ScheduleSpec("InterleavedZeroBubble", pl.ScheduleInterleavedZeroBubble, multi_stage=True, check_microbatches=_rounds),
+    ScheduleSpec("InterleavedZeroBubble", pl.ScheduleInterleavedZeroBubble, multi_stage=True, check_microbatches=_rounds,
+                 splits_weight_grad=True),
     ScheduleSpec("ZBVZeroBubble", pl.ScheduleZBVZeroBubble, multi_stage=True, mapping="v", stages_per_rank=2,
-                 check_microbatches=_at_least_stages),
+                 check_microbatches=_at_least_stages, splits_weight_grad=True),
     ScheduleSpec("DualPipeV", pl.ScheduleDualPipeV, multi_stage=True, mapping="v", stages_per_rank=2,
-                 check_microbatches=_at_least_stages),
+                 check_microbatches=_at_least_stages, splits_weight_grad=True),
 ):
     register_schedule(_spec)
 
@@ -120,7 +124,8 @@ def get_schedule_spec(name: str) -> ScheduleSpec:
     return _REGISTRY[name]
 
 
-def check_schedule(pp: int, stages_per_rank: int, microbatches: int, schedule: str) -> None:
+def check_schedule(pp: int, stages_per_rank: int, microbatches: int, schedule: str,
+                   reshard: str | int = "default") -> None:
     """Refuses a schedule / stages_per_rank / microbatches combination torch would reject or hang on."""
     if is_csv_schedule(schedule):
         owner = csv_stage_to_rank(read_csv_schedule(schedule))
@@ -138,6 +143,10 @@ def check_schedule(pp: int, stages_per_rank: int, microbatches: int, schedule: s
     if stages_per_rank < spec.min_stages_per_rank:
         raise ConfigError(f"parallel.stages_per_rank = {stages_per_rank}: schedule {schedule} needs at least "
                           f"{spec.min_stages_per_rank}")
+    if spec.splits_weight_grad and reshard not in ("default", "never"):
+        raise ConfigError(f"parallel.fsdp_reshard_after_forward = {reshard!r}: schedule {schedule} computes weight "
+                          "gradients after input gradients and torch leaves some unset when FSDP reshards between "
+                          "them; use \"default\" or \"never\", or a schedule without split backward (e.g. Interleaved1F1B)")
     problem = spec.check_microbatches(pp, pp * stages_per_rank, microbatches)
     if problem:
         raise ConfigError(f"parallel.microbatches = {microbatches}: schedule {schedule} {problem}; "
