@@ -16,17 +16,15 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import World, batch, stages_per_rank, table
+from common import World, stages_per_rank, table, warm_pipeline
 from torch import nn
 
-import pp_tp
-from pp_tp.models.llama import ModelArgs, Transformer
+from pp_tp.models.llama import ModelArgs
 from pp_tp.planner import SavedActivations, peak_held_bytes
 from pp_tp.schedules.loss import TokenSumLoss
 from pp_tp.timeline import schedule_actions
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
-_MESH: dict = {}
 
 
 def _one_microbatch_bytes(stage: nn.Module, ids: torch.Tensor, labels: torch.Tensor, dim: int) -> int:
@@ -41,15 +39,7 @@ def _one_microbatch_bytes(stage: nn.Module, ids: torch.Tensor, labels: torch.Ten
 
 def measure(schedule: str, stages_per_rank: int, m: int, pp: int, args: ModelArgs, rows: int, seq: int) -> dict:
     """On every rank: the step's peak of held activations, and the theory for the same rank."""
-    pcfg = pp_tp.ParallelConfig(pp=pp, dp_shard=1, schedule=schedule, microbatches=m,
-                                stages_per_rank=stages_per_rank, mixed_precision="fp32")
-    if "mesh" not in _MESH:
-        _MESH["mesh"] = pp_tp.build_mesh(pcfg)
-    with torch.device("meta"):
-        model = Transformer(args)
-    pipe = pp_tp.build_pipeline(model, _MESH["mesh"], pcfg, seq_len=seq)
-    ids, labels = batch(args, rows, seq)
-    pipe.step(ids, labels)  # warm-up: builds the schedule and its buffers
+    pipe, ids, labels = warm_pipeline(schedule, stages_per_rank, m, pp, args, rows, seq)
     parts = nn.ModuleList(pipe.model_parts)
     with SavedActivations(parts) as saved:
         pipe.step(ids, labels)

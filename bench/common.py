@@ -16,7 +16,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 from harness import World  # noqa: E402  (tests/harness.py: the gloo world the tests use)
 
-from pp_tp.models.llama import ModelArgs  # noqa: E402
+import pp_tp  # noqa: E402
+from pp_tp.models.llama import ModelArgs, Transformer  # noqa: E402
 from pp_tp.schedules.registry import get_schedule_spec  # noqa: E402
 
 __all__ = ["World", "batch", "stages_per_rank", "table"]
@@ -40,3 +41,20 @@ def table(rows: Sequence[Sequence[Any]]) -> str:
     cells = [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(cells[0]))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells)
+
+
+_MESH: dict = {}
+
+
+def warm_pipeline(schedule: str, spr: int, m: int, pp: int, args: ModelArgs, rows: int, seq: int):
+    """A pp-only pipeline on this rank's cached mesh, after one warm-up step; returns it and its batch."""
+    pcfg = pp_tp.ParallelConfig(pp=pp, dp_shard=1, schedule=schedule, microbatches=m, stages_per_rank=spr,
+                                mixed_precision="fp32")
+    if "mesh" not in _MESH:
+        _MESH["mesh"] = pp_tp.build_mesh(pcfg)
+    with torch.device("meta"):
+        model = Transformer(args)
+    pipe = pp_tp.build_pipeline(model, _MESH["mesh"], pcfg, seq_len=seq)
+    ids, labels = batch(args, rows, seq)
+    pipe.step(ids, labels)  # warm-up: builds the schedule and its buffers
+    return pipe, ids, labels

@@ -15,11 +15,9 @@ from __future__ import annotations
 import argparse
 import statistics
 
-import torch
-from common import World, batch, stages_per_rank, table
+from common import World, stages_per_rank, table, warm_pipeline
 
-import pp_tp
-from pp_tp.models.llama import ModelArgs, Transformer
+from pp_tp.models.llama import ModelArgs
 from pp_tp.timeline import (
     bubble_fraction,
     chrome_trace,
@@ -30,20 +28,11 @@ from pp_tp.timeline import (
     write_trace,
 )
 
-_MESH: dict = {}
 
 
 def record(schedule: str, m: int, pp: int, args: ModelArgs, rows: int, seq: int) -> tuple[list, float]:
     """One recorded step (after a warm-up step) on this rank: its spans and the wall time."""
-    pcfg = pp_tp.ParallelConfig(pp=pp, dp_shard=1, schedule=schedule, microbatches=m,
-                                stages_per_rank=stages_per_rank(schedule), mixed_precision="fp32")
-    if "mesh" not in _MESH:
-        _MESH["mesh"] = pp_tp.build_mesh(pcfg)
-    with torch.device("meta"):
-        model = Transformer(args)
-    pipe = pp_tp.build_pipeline(model, _MESH["mesh"], pcfg, seq_len=seq)
-    ids, labels = batch(args, rows, seq)
-    pipe.step(ids, labels)
+    pipe, ids, labels = warm_pipeline(schedule, stages_per_rank(schedule), m, pp, args, rows, seq)
     return record_step(pipe.schedule, lambda: pipe.step(ids, labels))
 
 

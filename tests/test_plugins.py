@@ -15,7 +15,6 @@ import torch
 
 from pp_tp.errors import ConfigError
 from pp_tp.integrations.torchtitan import parallel_config
-from train_utils import REPO
 
 PLUGIN_PKG = os.path.join(os.path.dirname(__file__), "plugin_pkg")
 
