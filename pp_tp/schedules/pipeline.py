@@ -135,8 +135,9 @@ class Pipeline:
             self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
         reduce_partial_grads(self.model_parts)  # once per step, after the last microbatch
         # Only the last stage holds losses; summing over pp and DP gives every rank the global loss.
-        local = sum(float(x.detach()) for x in losses) / self._grad_factor
-        total = torch.tensor([local], dtype=torch.float64, device=self.device)
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        if losses:  # summed on the device: no host sync per microbatch
+            total += torch.stack([x.detach() for x in losses]).double().sum() / self._grad_factor
         for g in [self._pp_group] + self._dp_groups:
             dist.all_reduce(total, group=g)
         return total[0].float()
