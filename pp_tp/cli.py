@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Callable
 
 from pp_tp.config import JobConfig, format_config, load_config
 from pp_tp.errors import ConfigError
@@ -62,13 +63,17 @@ def _check(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_ranks(args: argparse.Namespace, module: str, per_rank_main) -> int:
+def run_ranks(args: argparse.Namespace, module: str, per_rank_main: Callable[[list[str]], int],
+              check: Callable[[JobConfig], None] | None = None) -> int:
     """Runs a per-rank entry: here under torchrun, or on `--nproc` local ranks spawned through torchrun.
 
-    The job is validated against the world size first, so a bad config never starts a process group.
+    With `--nproc` the job is validated against that world size (and by `check`) before anything is
+    spawned, so a bad config never starts a process group; under torchrun each rank validates it itself.
     """
     if args.nproc:
-        load_config(args.config, args.overrides, args.nproc)
+        cfg = load_config(args.config, args.overrides, args.nproc)
+        if check is not None:
+            check(cfg)
         from pp_tp.launch import run_under_torchrun
 
         return run_under_torchrun(args.nproc, module, _without_nproc(args.argv[1:]))
@@ -89,13 +94,21 @@ def _without_nproc(argv: list[str]) -> list[str]:
     return out
 
 
+def _add_ranked(commands: argparse._SubParsersAction, name: str, help: str,
+                add_args: Callable[[argparse.ArgumentParser], None],
+                run: Callable[[argparse.Namespace], int]) -> None:
+    """A subcommand that runs on ranks: its own arguments plus `--nproc`."""
+    parser = commands.add_parser(name, help=help)
+    add_args(parser)
+    parser.add_argument("--nproc", type=int, default=None, help="spawn this many local ranks")
+    parser.set_defaults(run=run)
+
+
 def _add_parity(commands: argparse._SubParsersAction) -> None:
     from pp_tp.parity import add_parity_args
 
-    parser = commands.add_parser("parity", help="compare the job's pipelined build with its non-PP build")
-    add_parity_args(parser)
-    parser.add_argument("--nproc", type=int, default=None, help="spawn this many local ranks")
-    parser.set_defaults(run=_parity)
+    _add_ranked(commands, "parity", "compare the job's pipelined build with its non-PP build", add_parity_args,
+                _parity)
 
 
 def _parity(args: argparse.Namespace) -> int:
@@ -107,17 +120,14 @@ def _parity(args: argparse.Namespace) -> int:
 def _add_train(commands: argparse._SubParsersAction) -> None:
     from pp_tp.trainer import add_train_args
 
-    parser = commands.add_parser("train", help="train the job (under torchrun, or on --nproc local ranks)")
-    add_train_args(parser)
-    parser.add_argument("--nproc", type=int, default=None, help="spawn this many local ranks")
-    parser.set_defaults(run=_train)
+    _add_ranked(commands, "train", "train the job (under torchrun, or on --nproc local ranks)", add_train_args,
+                _train)
 
 
 def _train(args: argparse.Namespace) -> int:
     from pp_tp import trainer
 
-    trainer.check_job(load_config(args.config, args.overrides, args.nproc))
-    return run_ranks(args, "pp_tp.trainer", trainer.main)
+    return run_ranks(args, "pp_tp.trainer", trainer.main, check=trainer.check_job)
 
 
 def _add_plan(commands: argparse._SubParsersAction) -> None:
