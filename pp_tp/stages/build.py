@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
+from pp_tp.models.llama import seeded_value
 from pp_tp.parallel.apply import parallelize_stage
 from pp_tp.stages.layouts import ModelLayout
 from pp_tp.stages.plan import StagePlan
@@ -40,8 +41,6 @@ def fill_stage(stage: StageModule, model: nn.Module, seed: int, state_dict: Mapp
     n_layers = layout.dims(model).n_layers
     for fqn, p in stage.named_parameters():
         if state_dict is None:
-            from pp_tp.models.llama import seeded_value
-
             full = seeded_value(seed, fqn, p.shape, layout.init_std(fqn, n_layers))
         elif fqn in state_dict:
             full = state_dict[fqn]
