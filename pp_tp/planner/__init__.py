@@ -1,0 +1,28 @@
+"""`pp-tp plan`: a dry run of a job in one process, at any world size, with no memory and no peers.
+
+torch's `fake` process-group backend stands in for the world (collectives return at once), so the
+real mesh, stage plan and parallelization passes (TP, AC, FSDP) run unchanged on the meta device. Per
+pp rank, at dp/tp coordinate 0 (the largest FSDP shard), it reports:
+
+- parameter, gradient and AdamW bytes read off the sharded parameters themselves (DTensor local
+  shapes, FSDP padding included); FSDP keeps fp32 shards, all-gathers a compute copy in the param
+  dtype, and under pipelining keeps it and accumulates unsharded fp32 gradients until the step's
+  reduce-scatter;
+- saved activations of one microbatch per stage, measured by a forward on fake tensors (shapes
+  only) under `saved_tensors_hooks`, times the microbatches each schedule holds at its peak on that
+  rank (from the schedule's own action order); with activation checkpointing, the one block being
+  recomputed in backward comes on top;
+- the bubble fraction of each schedule: theory where it has a closed form, and simulated.
+
+compile and float8 are left out of the dry run: neither runs on fake CPU tensors, and neither
+changes the parameter accounting.
+"""
+
+from __future__ import annotations
+
+from pp_tp.planner.activations import SavedActivations
+from pp_tp.planner.dry_run import plan_job
+from pp_tp.planner.memory import peak_held_bytes, tp_local_numel
+from pp_tp.planner.report import format_plan
+
+__all__ = ["SavedActivations", "format_plan", "peak_held_bytes", "plan_job", "tp_local_numel"]

@@ -1,0 +1,69 @@
+"""The dry run: the real mesh, stage plan and parallelization passes on meta, in the fake world."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import init_device_mesh
+
+from pp_tp._torch import FakeTensorMode
+from pp_tp.config import JobConfig, validate
+from pp_tp.mesh import MESH_DIMS, mesh_shape
+from pp_tp.models.factory import build_model
+from pp_tp.planner.estimates import ScheduleEstimate, candidate_schedules, schedule_estimate
+from pp_tp.planner.fake_world import fake_world
+from pp_tp.planner.memory import RankMemory, StageCost, rank_memory, stage_cost
+from pp_tp.stages.layouts import layout_for
+from pp_tp.stages.plan import StagePlan, StageSpec, plan_stages
+from pp_tp.stages.stage_module import StageModule
+
+
+@dataclass
+class JobPlan:
+    """Everything the dry run found: the job, its mesh and stages, per-rank memory and schedule estimates."""
+
+    cfg: JobConfig
+    world_size: int
+    mesh: dict[str, int]
+    microbatch: int
+    plan: StagePlan
+    ranks: list[RankMemory]
+    schedules: list[ScheduleEstimate]
+    seconds: float
+
+
+def _kind(spec: StageSpec) -> tuple[bool, int, bool]:
+    return spec.embed, len(spec.blocks), spec.head
+
+
+def plan_job(cfg: JobConfig, world_size: int) -> JobPlan:
+    """Dry-runs `cfg` on `world_size` ranks in this process; nothing is allocated and nobody is contacted."""
+    t0 = time.perf_counter()
+    cfg = validate(cfg, world_size)
+    # compile and float8 do not run on fake CPU tensors; they leave the accounting unchanged.
+    pcfg = dataclasses.replace(cfg.parallel, compile=False, float8=False)
+    microbatch = cfg.training.batch_size // (pcfg.dp * pcfg.microbatches)
+    shape = mesh_shape(pcfg, world_size)
+    with fake_world(world_size):
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=MESH_DIMS)
+        model = build_model(cfg.model, "meta")
+        layout = layout_for(model)
+        plan = plan_stages(model, layout, pcfg, cfg.training.seq_len)
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        # Blocks of one model are alike: stages with the same (embed, block count, head) cost the same,
+        # so each kind is parallelized and measured once (a 405B-like plan has 4 kinds of 32 stages).
+        kinds: dict[tuple[bool, int, bool], StageCost] = {}
+        for spec in plan.stages:
+            if _kind(spec) not in kinds:
+                kinds[_kind(spec)] = stage_cost(StageModule(model, layout, spec), mesh, pcfg, microbatch,
+                                                cfg.training.seq_len, layout.dims(model).dim, fake)
+        ranks = [rank_memory(r, [s.index for s in plan.for_rank(r)], [kinds[_kind(s)] for s in plan.for_rank(r)],
+                             pcfg) for r in range(pcfg.pp)]
+    schedules = [schedule_estimate(name, pcfg, ranks) for name in candidate_schedules(pcfg)]
+    configured = schedules[0]
+    for r, peak in zip(ranks, configured.act_peak_bytes):
+        r.act_peak_bytes = peak
+    return JobPlan(cfg, world_size, dict(zip(MESH_DIMS, shape)), microbatch, plan, ranks, schedules,
+                   time.perf_counter() - t0)

@@ -1,0 +1,55 @@
+"""The dry run as text: mesh, stage table, per-rank memory and schedule tables."""
+
+from __future__ import annotations
+
+from pp_tp.parallel.fsdp import uses_fsdp
+from pp_tp.planner.dry_run import JobPlan
+
+
+def _size(n: float) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1 (GiB at most)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _table(rows: list[tuple]) -> str:
+    cells = [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(cells[0]))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells)
+
+
+def format_plan(job: JobPlan) -> str:
+    """The dry run as text: mesh, stage table, per-rank memory, schedules."""
+    p, t, m = job.cfg.parallel, job.cfg.training, job.cfg.model
+    mesh = " x ".join(f"{k}={v}" for k, v in job.mesh.items())
+    fsdp = f"FSDP reshard_after_forward={p.fsdp_reshard_after_forward}" if uses_fsdp(p) else "no FSDP"
+    lines = [
+        f"world: {job.world_size} ranks (fake process group); mesh {mesh}",
+        (f"model: dim={m.dim} layers={m.n_layers} heads={m.n_heads}/{m.n_kv_heads or m.n_heads} ffn={m.ffn_dim} "
+         f"vocab={m.vocab_size}; batch {t.batch_size} x seq {t.seq_len}, microbatch {job.microbatch} x "
+         f"{p.microbatches} per DP rank; {p.mixed_precision}; {fsdp}; activation checkpoint {p.activation_checkpoint}"),
+        "",
+        "stages:",
+        job.plan.table(),
+        "",
+        f"memory per rank (dp/tp coordinate 0; schedule {p.schedule}; AdamW):",
+    ]
+    rows = [("pp rank", "stages", "local params", "params", "gathered", "grads", "grad accum", "optimizer",
+             "act/microbatch", "act peak", "total")]
+    for r in job.ranks:
+        rows.append((r.pp_rank, ",".join(map(str, r.stages)), f"{r.local_params:,}", _size(r.param_bytes),
+                     _size(r.gathered_bytes), _size(r.grad_bytes), _size(r.grad_accum_bytes), _size(r.optim_bytes),
+                     _size(sum(r.act_bytes_per_microbatch.values())), _size(r.act_peak_bytes),
+                     _size(r.total_bytes)))
+    lines += [_table(rows), "",
+              "schedules (bubble = idle / compute time per rank; act peak = max over pp ranks):"]
+    rows = [("schedule", "bubble theory", "bubble simulated", "act peak", "microbatches held (rank 0 .. last)")]
+    for s in job.schedules:
+        theory = f"{s.bubble_theory:.4f}" if s.bubble_theory is not None else "-"
+        held = " ".join(f"{x:.1f}" for x in s.peak_microbatches)
+        rows.append((s.name + (" *" if s is job.schedules[0] else ""), theory, f"{s.bubble_simulated:.4f}",
+                     _size(max(s.act_peak_bytes)), held))
+    lines += [_table(rows), "", f"(* configured; dry run took {job.seconds:.1f} s)"]
+    return "\n".join(lines)
