@@ -16,10 +16,10 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import World, stages_per_rank, table, warm_pipeline
+from common import World, default_stages_per_rank, table, warm_pipeline
 from torch import nn
 
-from pp_tp.models.llama import ModelArgs
+from pp_tp.models.reference.model import ModelArgs
 from pp_tp.planner import SavedActivations, peak_held_bytes
 from pp_tp.schedules.loss import TokenSumLoss
 from pp_tp.timeline import schedule_actions
@@ -47,9 +47,13 @@ def measure(schedule: str, stages_per_rank: int, m: int, pp: int, args: ModelArg
     per_stage = {p.spec.index: _one_microbatch_bytes(p, ids[:mb], labels[:mb], args.dim) for p in pipe.model_parts}
     rank = pipe.mesh.get_local_rank("pp")
     actions = schedule_actions(schedule, pp, m, stages_per_rank)[rank]
-    return {"rank": rank, "measured": saved.peak, "theory": peak_held_bytes(actions, per_stage),
-            "held": saved.peak / sum(per_stage.values()),
-            "held_theory": peak_held_bytes(actions, dict.fromkeys(per_stage, 1)) / len(per_stage)}
+    return {
+        "rank": rank,
+        "measured": saved.peak,
+        "theory": peak_held_bytes(actions, per_stage),
+        "held": saved.peak / sum(per_stage.values()),
+        "held_theory": peak_held_bytes(actions, dict.fromkeys(per_stage, 1)) / len(per_stage),
+    }
 
 
 def main() -> None:
@@ -59,21 +63,45 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     a = parser.parse_args()
     args = ModelArgs(vocab_size=512, dim=128, n_layers=4 * a.pp, n_heads=4, ffn_dim=384, max_seq_len=a.seq)
-    rows = [("schedule", "m", "pp rank", "measured MiB", "theory MiB", "measured/theory", "microbatches held",
-             "theory held")]
+    rows = [
+        (
+            "schedule",
+            "m",
+            "pp rank",
+            "measured MiB",
+            "theory MiB",
+            "measured/theory",
+            "microbatches held",
+            "theory held",
+        )
+    ]
     world = World(a.pp)
     try:
         for schedule in SCHEDULES:
             for m in a.m:
                 if m < a.pp:
                     continue
-                for r in world.run(measure, schedule, stages_per_rank(schedule), m, a.pp, args, 2 * max(a.m), a.seq):
-                    rows.append((schedule, m, r["rank"], f"{r['measured'] / 2**20:.2f}", f"{r['theory'] / 2**20:.2f}",
-                                 f"{r['measured'] / r['theory']:.3f}", f"{r['held']:.2f}", f"{r['held_theory']:g}"))
+                for r in world.run(
+                    measure, schedule, default_stages_per_rank(schedule, a.pp), m, a.pp, args, 2 * max(a.m), a.seq
+                ):
+                    rows.append(
+                        (
+                            schedule,
+                            m,
+                            r["rank"],
+                            f"{r['measured'] / 2**20:.2f}",
+                            f"{r['theory'] / 2**20:.2f}",
+                            f"{r['measured'] / r['theory']:.3f}",
+                            f"{r['held']:.2f}",
+                            f"{r['held_theory']:g}",
+                        )
+                    )
     finally:
         world.close()
-    print(f"model dim={args.dim} layers={args.n_layers} vocab={args.vocab_size}; batch {2 * max(a.m)}x{a.seq}; "
-          f"pp={a.pp}; fp32; Interleaved1F1B with 2 stages per rank")
+    print(
+        f"model dim={args.dim} layers={args.n_layers} vocab={args.vocab_size}; batch {2 * max(a.m)}x{a.seq}; "
+        f"pp={a.pp}; fp32; Interleaved1F1B with 2 stages per rank"
+    )
     print("'microbatches held' counts one microbatch through all of the rank's stages as 1")
     print(table(rows))
 

@@ -21,18 +21,24 @@ import argparse
 from collections import Counter
 
 import torch
-from common import World, batch, stages_per_rank, table
+from common import World, batch, default_stages_per_rank, table
 
 import pp_tp
 from pp_tp.errors import ConfigError
-from pp_tp.models.llama import ModelArgs, Transformer
+from pp_tp.models.reference.model import ModelArgs, Transformer
 from pp_tp.parallel.comm_ledger import CommLedger
 from pp_tp.planner import tp_local_numel
 from pp_tp.schedules.registry import check_schedule
 
 GROUPS = ("dp_shard", "tp", "pp")
-COLUMNS = (("dp_shard", "all_gather"), ("dp_shard", "reduce_scatter"), ("tp", "all_reduce"), ("tp", "all_gather"),
-           ("pp", "send"), ("pp", "recv"))
+COLUMNS = (
+    ("dp_shard", "all_gather"),
+    ("dp_shard", "reduce_scatter"),
+    ("tp", "all_reduce"),
+    ("tp", "all_gather"),
+    ("pp", "send"),
+    ("pp", "recv"),
+)
 SCALAR_ALL_REDUCES = {"dp_shard": 2, "pp": 1}
 _MESH: dict = {}
 
@@ -73,9 +79,16 @@ def minimum(pipe, args: ModelArgs, mb: int, seq: int) -> dict[tuple[str, str], t
 
 def measure(schedule: str, policy: str, args: ModelArgs, rows: int, seq: int, m: int) -> dict | None:
     """On every rank: one step's ledger by group and the minimum; None except at dp/tp coordinate 0."""
-    pcfg = pp_tp.ParallelConfig(pp=2, tp=2, dp_shard=2, schedule=schedule, microbatches=m,
-                                stages_per_rank=stages_per_rank(schedule), fsdp_reshard_after_forward=policy,
-                                mixed_precision="fp32")
+    pcfg = pp_tp.ParallelConfig(
+        pp=2,
+        tp=2,
+        dp_shard=2,
+        schedule=schedule,
+        microbatches=m,
+        stages_per_rank=default_stages_per_rank(schedule, 2),
+        fsdp_reshard_after_forward=policy,
+        mixed_precision="fp32",
+    )
     if "mesh" not in _MESH:
         _MESH["mesh"] = pp_tp.build_mesh(pcfg)
     mesh = _MESH["mesh"]
@@ -83,7 +96,7 @@ def measure(schedule: str, policy: str, args: ModelArgs, rows: int, seq: int, m:
         model = Transformer(args)
     pipe = pp_tp.build_pipeline(model, mesh, pcfg, seq_len=seq)
     dp = mesh.get_local_rank("dp_shard")
-    ids, labels = (t[dp * rows // 2:(dp + 1) * rows // 2] for t in batch(args, rows, seq))
+    ids, labels = (t[dp * rows // 2 : (dp + 1) * rows // 2] for t in batch(args, rows, seq))
     pipe.step(ids, labels)
     with CommLedger() as led:
         pipe.step(ids, labels)
@@ -96,14 +109,28 @@ def measure(schedule: str, policy: str, args: ModelArgs, rows: int, seq: int, m:
             kind = "all_reduce_scalar" if e.kind == "all_reduce" and e.nbytes <= 8 else e.kind
             ops, size = measured.get((name, kind), (0, 0))
             measured[(name, kind)] = (ops + 1, size + e.nbytes)
-    return {"pp_rank": mesh.get_local_rank("pp"), "measured": measured,
-            "minimum": minimum(pipe, args, rows // 2 // m, seq)}
+    return {
+        "pp_rank": mesh.get_local_rank("pp"),
+        "measured": measured,
+        "minimum": minimum(pipe, args, rows // 2 // m, seq),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--schedules", nargs="+", default=["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS",
-                                                             "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"])
+    parser.add_argument(
+        "--schedules",
+        nargs="+",
+        default=[
+            "GPipe",
+            "1F1B",
+            "Interleaved1F1B",
+            "LoopedBFS",
+            "InterleavedZeroBubble",
+            "ZBVZeroBubble",
+            "DualPipeV",
+        ],
+    )
     parser.add_argument("--policies", nargs="+", default=["default", "always", "never"])
     parser.add_argument("--m", type=int, default=4)
     a = parser.parse_args()
@@ -116,7 +143,7 @@ def main() -> None:
         for schedule in a.schedules:
             for policy in a.policies:
                 try:  # combinations the config refuses (zero-bubble with "always") have no row
-                    check_schedule(2, stages_per_rank(schedule), a.m, schedule, policy)
+                    check_schedule(2, default_stages_per_rank(schedule, 2), a.m, schedule, policy)
                 except ConfigError as e:
                     refused.append(f"{schedule}/{policy}: {e}")
                     continue
@@ -125,12 +152,22 @@ def main() -> None:
                     cells = [f"{meas.get(key, (0, 0))[0]}/{low.get(key, (0, 0))[0]}" for key in COLUMNS]
                     other = {k: v for k, v in meas.items() if k not in COLUMNS and v[0] != low.get(k, (0,))[0]}
                     total = sum(v[1] for v in meas.values()) / sum(v[1] for v in low.values())
-                    out.append((schedule, policy, r["pp_rank"], *cells,
-                                " ".join(f"{g}:{k}={v[0]}" for (g, k), v in other.items()) or "-", f"{total:.3f}"))
+                    out.append(
+                        (
+                            schedule,
+                            policy,
+                            r["pp_rank"],
+                            *cells,
+                            " ".join(f"{g}:{k}={v[0]}" for (g, k), v in other.items()) or "-",
+                            f"{total:.3f}",
+                        )
+                    )
     finally:
         world.close()
-    print(f"pp2 x dp_shard2 x tp2, fp32; model dim={args.dim} layers={args.n_layers} vocab={args.vocab_size}; "
-          f"global batch {rows}x{seq}, m={a.m}; cells: measured/minimum ops per step")
+    print(
+        f"pp2 x dp_shard2 x tp2, fp32; model dim={args.dim} layers={args.n_layers} vocab={args.vocab_size}; "
+        f"global batch {rows}x{seq}, m={a.m}; cells: measured/minimum ops per step"
+    )
     print(table(out))
     print("\n".join(f"refused {line}" for line in refused))
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -17,23 +18,19 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from harness import World  # noqa: E402  (tests/harness.py: the gloo world the tests use)
 
 import pp_tp  # noqa: E402
-from pp_tp.models.llama import ModelArgs, Transformer  # noqa: E402
-from pp_tp.schedules.registry import get_schedule_spec  # noqa: E402
+from pp_tp.models.reference.model import ModelArgs, Transformer  # noqa: E402
+from pp_tp.schedules.registry import default_stages_per_rank  # noqa: E402
 
-__all__ = ["World", "batch", "stages_per_rank", "table"]
-
-
-def stages_per_rank(schedule: str) -> int:
-    """The fewest stages per rank a schedule runs with beyond one: its fixed count, else 2 if multi-stage."""
-    spec = get_schedule_spec(schedule)
-    return spec.stages_per_rank or (2 if spec.multi_stage else 1)
+__all__ = ["World", "batch", "default_stages_per_rank", "table"]
 
 
 def batch(args: ModelArgs, rows: int, seq: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Random ids and labels, no padding: every variant sees the same global batch."""
     gen = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, args.vocab_size, (rows, seq), generator=gen),
-            torch.randint(0, args.vocab_size, (rows, seq), generator=gen))
+    return (
+        torch.randint(0, args.vocab_size, (rows, seq), generator=gen),
+        torch.randint(0, args.vocab_size, (rows, seq), generator=gen),
+    )
 
 
 def table(rows: Sequence[Sequence[Any]]) -> str:
@@ -48,8 +45,9 @@ _MESH: dict = {}
 
 def warm_pipeline(schedule: str, spr: int, m: int, pp: int, args: ModelArgs, rows: int, seq: int):
     """A pp-only pipeline on this rank's cached mesh, after one warm-up step; returns it and its batch."""
-    pcfg = pp_tp.ParallelConfig(pp=pp, dp_shard=1, schedule=schedule, microbatches=m, stages_per_rank=spr,
-                                mixed_precision="fp32")
+    pcfg = pp_tp.ParallelConfig(
+        pp=pp, dp_shard=1, schedule=schedule, microbatches=m, stages_per_rank=spr, mixed_precision="fp32"
+    )
     if "mesh" not in _MESH:
         _MESH["mesh"] = pp_tp.build_mesh(pcfg)
     with torch.device("meta"):

@@ -26,7 +26,8 @@ import os
 import pstats
 import statistics
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,7 +37,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 import pp_tp
-from pp_tp.models.llama import ModelArgs, Transformer
+from pp_tp.models.reference.model import ModelArgs, Transformer
 
 PP = 2
 _BUILT: dict = {}  # per rank process: variant -> (step function or None, parameters)
@@ -150,11 +151,15 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=512)
-    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                        help="then cProfile STEPS steps of ours and raw at the largest m, on every rank")
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="then cProfile STEPS steps of ours and raw at the largest m, on every rank",
+    )
     a = parser.parse_args()
-    args = ModelArgs(vocab_size=a.vocab, dim=a.dim, n_layers=a.layers, n_heads=8, ffn_dim=3 * a.dim,
-                     max_seq_len=a.seq)
+    args = ModelArgs(vocab_size=a.vocab, dim=a.dim, n_layers=a.layers, n_heads=8, ffn_dim=3 * a.dim, max_seq_len=a.seq)
     variants = [("single", 0), ("both", 0)] + [(kind, m) for m in a.m for kind in ("ours", "raw")]
     wall: dict[tuple, list[float]] = {v: [] for v in variants}
     cpu: dict[tuple, list[float]] = {v: [] for v in variants}
@@ -168,8 +173,14 @@ def main() -> None:
                 wall[v].append(results[0][0])
                 cpu[v].append(sum(r[1] for r in results))
                 others[v].append(max(0.0, results[0][2] - cpu[v][-1]) / (results[0][0] * os.cpu_count()))
-        profiles = {kind: world.run(profile_variant, (kind, max(a.m)), args, a.rows, a.seq, a.profile)
-                    for kind in ("ours", "raw")} if a.profile else {}
+        profiles = (
+            {
+                kind: world.run(profile_variant, (kind, max(a.m)), args, a.rows, a.seq, a.profile)
+                for kind in ("ours", "raw")
+            }
+            if a.profile
+            else {}
+        )
     finally:
         world.close()
 
@@ -180,29 +191,54 @@ def main() -> None:
     # Both cores busy at once run slower than one alone (shared caches, memory bandwidth, clocks): the
     # most a 2-rank pipeline can reach on this machine is ideal * shared.
     shared = single / statistics.median(wall[("both", 0)])
-    rows = [("m", "ideal", "ours speedup", "ours/ideal", "ours/(ideal*shared)", "raw speedup", "raw/ideal",
-             "ours/raw wall", "ours/raw CPU", "1-rank CPU / ours CPU", "ours s", "raw s",
-             "others' CPU % (1-rank/ours/raw)")]
+    rows = [
+        (
+            "m",
+            "ideal",
+            "ours speedup",
+            "ours/ideal",
+            "ours/(ideal*shared)",
+            "raw speedup",
+            "raw/ideal",
+            "ours/raw wall",
+            "ours/raw CPU",
+            "1-rank CPU / ours CPU",
+            "ours s",
+            "raw s",
+            "others' CPU % (1-rank/ours/raw)",
+        )
+    ]
     for m in a.m:
         ideal = PP * m / (m + PP - 1)
         ours, raw = statistics.median(wall[("ours", m)]), statistics.median(wall[("raw", m)])
-        rows.append((m, f"{ideal:.3f}", f"{single / ours:.3f}", f"{single / ours / ideal:.3f}",
-                     f"{single / ours / ideal / shared:.3f}", f"{single / raw:.3f}",
-                     f"{single / raw / ideal:.3f}", f"{paired(('ours', m), ('raw', m), wall):.4f}",
-                     f"{paired(('ours', m), ('raw', m), cpu):.4f}",
-                     f"{statistics.median(cpu[('single', 0)]) / statistics.median(cpu[('ours', m)]):.3f}",
-                     f"{ours:.3f}", f"{raw:.3f}",
-                     "/".join(f"{100 * statistics.median(others[v]):.0f}" for v in (("single", 0), ("ours", m),
-                                                                                     ("raw", m)))))
-    print(f"model dim={a.dim} layers={a.layers} vocab={a.vocab}; global batch {a.rows}x{a.seq}; pp={PP}, 1F1B; "
-          f"{a.reps} rounds, medians; 1-rank step {single:.3f} s; shared = T(1 rank alone) / T(1-rank step on "
-          f"both ranks at once) = {shared:.3f}; load average before/after: {load:.1f}/"
-          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+        rows.append(
+            (
+                m,
+                f"{ideal:.3f}",
+                f"{single / ours:.3f}",
+                f"{single / ours / ideal:.3f}",
+                f"{single / ours / ideal / shared:.3f}",
+                f"{single / raw:.3f}",
+                f"{single / raw / ideal:.3f}",
+                f"{paired(('ours', m), ('raw', m), wall):.4f}",
+                f"{paired(('ours', m), ('raw', m), cpu):.4f}",
+                f"{statistics.median(cpu[('single', 0)]) / statistics.median(cpu[('ours', m)]):.3f}",
+                f"{ours:.3f}",
+                f"{raw:.3f}",
+                "/".join(f"{100 * statistics.median(others[v]):.0f}" for v in (("single", 0), ("ours", m), ("raw", m))),
+            )
+        )
+    print(
+        f"model dim={a.dim} layers={a.layers} vocab={a.vocab}; global batch {a.rows}x{a.seq}; pp={PP}, 1F1B; "
+        f"{a.reps} rounds, medians; 1-rank step {single:.3f} s; shared = T(1 rank alone) / T(1-rank step on "
+        f"both ranks at once) = {shared:.3f}; load average before/after: {load:.1f}/"
+        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+    )
     print(table(rows))
     for kind, per_rank in profiles.items():
         for rank, (total, listing) in enumerate(per_rank):
             print(f"\n--- {kind}, m={max(a.m)}, rank {rank}: {total:.3f} s in {a.profile} steps under cProfile")
-            print(listing[listing.index("ncalls"):].rstrip())
+            print(listing[listing.index("ncalls") :].rstrip())
 
 
 if __name__ == "__main__":

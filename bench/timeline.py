@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from common import World, stages_per_rank, table, warm_pipeline
+from common import World, default_stages_per_rank, table, warm_pipeline
 
-from pp_tp.models.llama import ModelArgs
+from pp_tp.models.reference.model import ModelArgs
 from pp_tp.timeline import (
     bubble_fraction,
     chrome_trace,
@@ -29,10 +29,9 @@ from pp_tp.timeline import (
 )
 
 
-
 def record(schedule: str, m: int, pp: int, args: ModelArgs, rows: int, seq: int) -> tuple[list, float]:
     """One recorded step (after a warm-up step) on this rank: its spans and the wall time."""
-    pipe, ids, labels = warm_pipeline(schedule, stages_per_rank(schedule), m, pp, args, rows, seq)
+    pipe, ids, labels = warm_pipeline(schedule, default_stages_per_rank(schedule, pp), m, pp, args, rows, seq)
     return record_step(pipe.schedule, lambda: pipe.step(ids, labels))
 
 
@@ -54,7 +53,7 @@ def main() -> None:
     world = World(a.pp)
     try:
         for schedule in a.schedules:
-            v = stages_per_rank(schedule)
+            v = default_stages_per_rank(schedule, a.pp)
             for m in a.m:
                 results = world.run(record, schedule, m, a.pp, args, rows, a.seq)
                 spans = [s for rank_spans, _ in results for s in rank_spans]
@@ -62,15 +61,28 @@ def main() -> None:
                 measured = bubble_fraction(spans, makespan=wall)
                 sim = simulate(schedule_actions(schedule, a.pp, m, v))
                 theory = theoretical_bubble(schedule, a.pp, m, v)
-                out.append((schedule, m, v, " ".join(f"{b:.3f}" for b in measured), f"{max(bubble_fraction(sim)):.3f}",
-                            f"{theory:.3f}" if theory is not None else "-", f"{wall:.3f}"))
+                out.append(
+                    (
+                        schedule,
+                        m,
+                        v,
+                        " ".join(f"{b:.3f}" for b in measured),
+                        f"{max(bubble_fraction(sim)):.3f}",
+                        f"{theory:.3f}" if theory is not None else "-",
+                        f"{wall:.3f}",
+                    )
+                )
                 forward = statistics.mean(s.dur for s in spans if "F" in s.name and s.kind == "compute")
-                sections += [(f"{schedule} m={m} measured", spans, 1e6),
-                             (f"{schedule} m={m} simulated", sim, forward * 1e6)]
+                sections += [
+                    (f"{schedule} m={m} measured", spans, 1e6),
+                    (f"{schedule} m={m} simulated", sim, forward * 1e6),
+                ]
     finally:
         world.close()
-    print(f"model dim={a.dim} layers={args.n_layers} vocab={args.vocab_size}; batch {rows}x{a.seq}; pp={a.pp}; "
-          "bubble = idle / compute time")
+    print(
+        f"model dim={a.dim} layers={args.n_layers} vocab={args.vocab_size}; batch {rows}x{a.seq}; pp={a.pp}; "
+        "bubble = idle / compute time"
+    )
     print(table(out))
     if a.trace:
         write_trace(a.trace, chrome_trace(sections))

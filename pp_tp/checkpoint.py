@@ -60,8 +60,14 @@ def _restore_rng(blob: bytes) -> None:
 class Checkpointer:
     """Saves every `checkpoint.interval` steps and at the end; resumes from the newest complete checkpoint."""
 
-    def __init__(self, ccfg: CheckpointConfig, model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
-                 schedulers: list[torch.optim.lr_scheduler.LRScheduler], loader: ShardedBatches):
+    def __init__(
+        self,
+        ccfg: CheckpointConfig,
+        model_parts: list[nn.Module],
+        optimizers: list[torch.optim.Optimizer],
+        schedulers: list[torch.optim.lr_scheduler.LRScheduler],
+        loader: ShardedBatches,
+    ):
         self.cfg = ccfg
         self.parts, self.optimizers, self.schedulers, self.loader = model_parts, optimizers, schedulers, loader
 
@@ -72,15 +78,24 @@ class Checkpointer:
             model.update(get_model_state_dict(part))
             optim.update(get_optimizer_state_dict(part, opt, options=_OPTIM))
         # The schedulers step together, so one state stands for all of them.
-        return {"model": model, "optim": optim, "lr_scheduler": self.schedulers[0].state_dict(),
-                "data": self.loader.state_dict(), "rng": _rng_blob(), "step": step}
+        return {
+            "model": model,
+            "optim": optim,
+            "lr_scheduler": self.schedulers[0].state_dict(),
+            "data": self.loader.state_dict(),
+            "rng": _rng_blob(),
+            "step": step,
+        }
 
     def latest(self) -> str | None:
         """The newest complete checkpoint in `checkpoint.folder`, or None."""
         if not os.path.isdir(self.cfg.folder):
             return None
-        steps = [int(m.group(1)) for name in os.listdir(self.cfg.folder) if (m := _FINAL.match(name))
-                 and os.path.isfile(os.path.join(self.cfg.folder, name, ".metadata"))]
+        steps = [
+            int(m.group(1))
+            for name in os.listdir(self.cfg.folder)
+            if (m := _FINAL.match(name)) and os.path.isfile(os.path.join(self.cfg.folder, name, ".metadata"))
+        ]
         return os.path.join(self.cfg.folder, f"step-{max(steps)}") if steps else None
 
     def load(self, path: str) -> int:
@@ -121,5 +136,5 @@ class Checkpointer:
         if self.cfg.keep <= 0:
             return
         steps = sorted(int(m.group(1)) for name in os.listdir(self.cfg.folder) if (m := _FINAL.match(name)))
-        for old in steps[:-self.cfg.keep]:
+        for old in steps[: -self.cfg.keep]:
             shutil.rmtree(os.path.join(self.cfg.folder, f"step-{old}"), ignore_errors=True)

@@ -26,8 +26,10 @@ from pp_tp.errors import ConfigError
 
 VOCAB = 256  # byte-level tokens
 
-_NUMBERS = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
-            "sixteen seventeen eighteen nineteen twenty").split()
+_NUMBERS = (
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
+    "sixteen seventeen eighteen nineteen twenty"
+).split()
 _DAYS = "monday tuesday wednesday thursday friday saturday sunday".split()
 _MONTHS = "january february march april may june july august september october november december".split()
 _ANIMALS = "cat dog fox owl hen cow horse mouse bird frog".split()
@@ -35,17 +37,37 @@ _ADJECTIVES = "red small big old young quick lazy happy sleepy brown".split()
 _VERBS = "sat slept ran hid waited played jumped rested".split()
 _PREPOSITIONS = "on under near behind beside in".split()
 _PLACES = "mat tree hill barn river house fence bridge garden field".split()
-_FACTS = ("grass is green", "the sky is blue", "snow is white", "coal is black", "the sun is yellow",
-          "milk is white", "a lemon is sour", "sugar is sweet", "ice is cold", "fire is hot")
-_OPPOSITES = (("hot", "cold"), ("up", "down"), ("big", "small"), ("day", "night"), ("fast", "slow"),
-              ("old", "new"), ("open", "shut"), ("wet", "dry"), ("left", "right"), ("near", "far"))
+_FACTS = (
+    "grass is green",
+    "the sky is blue",
+    "snow is white",
+    "coal is black",
+    "the sun is yellow",
+    "milk is white",
+    "a lemon is sour",
+    "sugar is sweet",
+    "ice is cold",
+    "fire is hot",
+)
+_OPPOSITES = (
+    ("hot", "cold"),
+    ("up", "down"),
+    ("big", "small"),
+    ("day", "night"),
+    ("fast", "slow"),
+    ("old", "new"),
+    ("open", "shut"),
+    ("wet", "dry"),
+    ("left", "right"),
+    ("near", "far"),
+)
 
 
 def _sentence(rng: random.Random) -> str:
     kind = rng.randrange(8)
     if kind == 0:
         start = rng.randrange(0, 15)
-        return "I count " + ", ".join(_NUMBERS[start:start + rng.randrange(3, 7)])
+        return "I count " + ", ".join(_NUMBERS[start : start + rng.randrange(3, 7)])
     if kind == 1:
         a, b = rng.randrange(10), rng.randrange(10)
         return f"{_NUMBERS[a]} plus {_NUMBERS[b]} makes {_NUMBERS[a + b]}"
@@ -64,8 +86,10 @@ def _sentence(rng: random.Random) -> str:
         animal = rng.choice(_ANIMALS)
         plural = "mice" if animal == "mouse" else animal + "s"
         return f"one {animal}, two {plural}, three {plural}"
-    return (f"the {rng.choice(_ADJECTIVES)} {rng.choice(_ANIMALS)} {rng.choice(_VERBS)} "
-            f"{rng.choice(_PREPOSITIONS)} the {rng.choice(_PLACES)}")
+    return (
+        f"the {rng.choice(_ADJECTIVES)} {rng.choice(_ANIMALS)} {rng.choice(_VERBS)} "
+        f"{rng.choice(_PREPOSITIONS)} the {rng.choice(_PLACES)}"
+    )
 
 
 def paragraph(seed: int, index: int) -> str:
@@ -101,12 +125,14 @@ class TextSource:
         self.seq_len = seq_len
         self.num_samples = (len(self.tokens) - 1) // seq_len
         if self.num_samples < 1:
-            raise ConfigError(f"data.path = {path!r} has {len(self.tokens)} bytes, fewer than training.seq_len + 1 = "
-                              f"{seq_len + 1}; use a longer file or lower training.seq_len")
+            raise ConfigError(
+                f"data.path = {path!r} has {len(self.tokens)} bytes, fewer than training.seq_len + 1 = "
+                f"{seq_len + 1}; use a longer file or lower training.seq_len"
+            )
 
     def sample(self, index: int) -> torch.Tensor:
         start = index * self.seq_len
-        return self.tokens[start:start + self.seq_len + 1].long()
+        return self.tokens[start : start + self.seq_len + 1].long()
 
 
 class SyntheticSource:
@@ -122,14 +148,16 @@ class SyntheticSource:
         while len(text) <= self.seq_len:
             text += paragraph(self.seed, index * 1_000_003 + k)
             k += 1
-        return torch.tensor(list(text.encode()[:self.seq_len + 1]), dtype=torch.long)
+        return torch.tensor(list(text.encode()[: self.seq_len + 1]), dtype=torch.long)
 
 
 def make_source(cfg: JobConfig) -> Source:
     """The job's data source; checks run here, before any process group exists."""
     if cfg.model.vocab_size < VOCAB:
-        raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size}: data.source = {cfg.data.source!r} uses byte "
-                          f"tokens 0..255; set model.vocab_size >= {VOCAB}")
+        raise ConfigError(
+            f"model.vocab_size = {cfg.model.vocab_size}: data.source = {cfg.data.source!r} uses byte "
+            f"tokens 0..255; set model.vocab_size >= {VOCAB}"
+        )
     if cfg.data.source == "text":
         return TextSource(cfg.data.path, cfg.training.seq_len)
     return SyntheticSource(cfg.training.seed, cfg.training.seq_len)
@@ -146,8 +174,10 @@ class ShardedBatches:
 
     def __init__(self, source: Source, global_batch: int, dp_rank: int, dp_size: int, seed: int):
         if global_batch % dp_size:
-            raise ConfigError(f"training.batch_size = {global_batch} does not split over {dp_size} DP ranks; "
-                              f"use a multiple of {dp_size}")
+            raise ConfigError(
+                f"training.batch_size = {global_batch} does not split over {dp_size} DP ranks; "
+                f"use a multiple of {dp_size}"
+            )
         self.source, self.global_batch, self.seed = source, global_batch, seed
         self.local = global_batch // dp_size
         self.offset = dp_rank * self.local

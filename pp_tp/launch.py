@@ -17,8 +17,9 @@ def run_under_torchrun(nproc: int, module: str, argv: list[str], max_restarts: i
 
     if nproc < 1:
         raise ConfigError(f"--nproc = {nproc}: needs at least 1 process")
-    args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}",
-                                         f"--max-restarts={max_restarts}", "--module", module, *argv])
+    args = get_args_parser().parse_args(
+        ["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", "--module", module, *argv]
+    )
     try:
         run(args)
     except ChildFailedError as e:

@@ -32,8 +32,9 @@ class PeerWatch:
         self.interval = interval
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=timedelta(seconds=30))
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=30)
+        )
         self.store = dist.PrefixStore(f"pp_tp/liveness/{attempt}/{next(_runs)}/", store)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, daemon=True, name="pp_tp-heartbeat")
@@ -56,8 +57,7 @@ class PeerWatch:
         before = self._beats()
         time.sleep(4 * self.interval)
         after = self._beats()
-        return [r for r in range(self.world)
-                if before[r] == after[r] and not self.store.check([f"failed/{r}"])]
+        return [r for r in range(self.world) if before[r] == after[r] and not self.store.check([f"failed/{r}"])]
 
     @contextlib.contextmanager
     def naming_dead_peers(self, step: int) -> Iterator[None]:
@@ -70,8 +70,10 @@ class PeerWatch:
             except RuntimeError:
                 raise e from None
             if dead:
-                raise PeerDiedError(f"rank {self.rank}: step {step} failed because rank(s) {dead} died "
-                                    f"(heartbeat stopped); first error here: {str(e).splitlines()[0]}") from e
+                raise PeerDiedError(
+                    f"rank {self.rank}: step {step} failed because rank(s) {dead} died "
+                    f"(heartbeat stopped); first error here: {str(e).splitlines()[0]}"
+                ) from e
             raise
 
     def stop(self) -> None:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from pp_tp.config import ParallelConfig
+from pp_tp.config import ParallelConfig, resolve_dp_shard
 from pp_tp.errors import ConfigError
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
@@ -31,8 +31,10 @@ def init_distributed(timeout_s: float = 300.0) -> None:
     if dist.is_initialized():
         return
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise ConfigError("no process group: launch with torchrun (RANK/WORLD_SIZE unset) or call "
-                          "torch.distributed.init_process_group first")
+        raise ConfigError(
+            "no process group: launch with torchrun (RANK/WORLD_SIZE unset) or call "
+            "torch.distributed.init_process_group first"
+        )
     if device_type() == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         backend = "nccl"
@@ -43,23 +45,21 @@ def init_distributed(timeout_s: float = 300.0) -> None:
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun keeps one agent store across restarts: without a per-attempt prefix a restarted gloo
         # group reads the dead attempt's peer addresses and fails to connect (seen on torch 2.13).
-        agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=timeout)
+        agent = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+        )
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store_args = {"store": dist.PrefixStore(f"pp_tp/attempt_{attempt}/", agent),
-                      "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
+        store_args = {
+            "store": dist.PrefixStore(f"pp_tp/attempt_{attempt}/", agent),
+            "rank": int(os.environ["RANK"]),
+            "world_size": int(os.environ["WORLD_SIZE"]),
+        }
     dist.init_process_group(backend, timeout=timeout, **store_args)
 
 
 def mesh_shape(pcfg: ParallelConfig, world_size: int) -> tuple[int, int, int, int]:
     """The four degrees with dp_shard = -1 resolved; refuses a product that is not the world size."""
-    others = pcfg.pp * pcfg.dp_replicate * pcfg.tp
-    dp_shard = world_size // others if pcfg.dp_shard == -1 else pcfg.dp_shard
-    shape = (pcfg.pp, pcfg.dp_replicate, dp_shard, pcfg.tp)
-    if dp_shard < 1 or others * dp_shard != world_size:
-        raise ConfigError(f"parallel: pp*dp_replicate*dp_shard*tp = {'*'.join(map(str, shape))} does not match "
-                          f"world size {world_size}; change parallel.dp_shard (or -1 for the rest)")
-    return shape
+    return pcfg.pp, pcfg.dp_replicate, resolve_dp_shard(pcfg, world_size), pcfg.tp
 
 
 def build_mesh(pcfg: ParallelConfig) -> DeviceMesh:

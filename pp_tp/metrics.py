@@ -42,25 +42,43 @@ def peak_memory_gib() -> float:
 class MetricsLogger:
     """Formats a step's numbers; only the `writer` rank prints and appends to the JSONL file."""
 
-    def __init__(self, path: str, log_every: int, writer: bool, flops_per_token: float, world_size: int,
-                 device_peak_flops: float | None):
+    def __init__(
+        self,
+        path: str,
+        log_every: int,
+        writer: bool,
+        flops_per_token: float,
+        world_size: int,
+        device_peak_flops: float | None,
+    ):
         self.path, self.log_every, self.writer = path, log_every, writer
         self.flops_per_token, self.world_size, self.peak = flops_per_token, world_size, device_peak_flops
         if writer and path and os.path.dirname(path):
             os.makedirs(os.path.dirname(path), exist_ok=True)
 
-    def log(self, step: int, last: bool, loss: float, grad_norm: float, lr: float, tokens: int,
-            step_time_s: float) -> dict:
+    def log(
+        self, step: int, last: bool, loss: float, grad_norm: float, lr: float, tokens: int, step_time_s: float
+    ) -> dict:
         """The step's row (returned on every rank); printed and written on log steps by the writer rank."""
         tps = tokens / step_time_s
-        row = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens_per_s": tps,
-               "step_time_s": step_time_s, "peak_mem_gib": peak_memory_gib()}
+        row = {
+            "step": step,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens_per_s": tps,
+            "step_time_s": step_time_s,
+            "peak_mem_gib": peak_memory_gib(),
+        }
         if self.peak:
             row["mfu"] = self.flops_per_token * tps / (self.world_size * self.peak)
         if self.writer and (last or step % self.log_every == 0):
             mfu = f" | mfu {100 * row['mfu']:.1f}%" if "mfu" in row else ""
-            print(f"step {step:>6} | loss {loss:.4f} | grad_norm {grad_norm:.3f} | lr {lr:.2e} | "
-                  f"tok/s {tps:,.0f} | {step_time_s:.3f} s | peak {row['peak_mem_gib']:.2f} GiB{mfu}", flush=True)
+            print(
+                f"step {step:>6} | loss {loss:.4f} | grad_norm {grad_norm:.3f} | lr {lr:.2e} | "
+                f"tok/s {tps:,.0f} | {step_time_s:.3f} s | peak {row['peak_mem_gib']:.2f} GiB{mfu}",
+                flush=True,
+            )
             if self.path:
                 with open(self.path, "a") as f:
                     f.write(json.dumps(row) + "\n")

@@ -14,8 +14,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import pp_tp
 from pp_tp.config import JobConfig
 from pp_tp.errors import ConfigError
+from pp_tp.job import add_job_args, load_job
+from pp_tp.mesh import init_distributed
+from pp_tp.models.factory import build_model
+from pp_tp.seeded_init import init_weights
+from pp_tp.stages.layouts import layout_for
 from pp_tp.tensor_utils import full_tensor
 
 DEFAULT_TOL = {"fp32": 1e-4, "bf16": 5e-2}
@@ -28,7 +34,7 @@ def synthetic_batch(cfg: JobConfig, step: int) -> tuple[torch.Tensor, torch.Tens
     ids = torch.randint(0, cfg.model.vocab_size, (t.batch_size, t.seq_len + 1), generator=gen)
     labels = ids[:, 1:].clone()
     for row in range(t.batch_size):
-        labels[row, t.seq_len - (row * 7) % max(t.seq_len // 2, 1):] = -100
+        labels[row, t.seq_len - (row * 7) % max(t.seq_len // 2, 1) :] = -100
     return ids[:, :-1].contiguous(), labels
 
 
@@ -38,12 +44,6 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def run_parity(cfg: JobConfig, steps: int, tol: float | None) -> int:
     """Per-rank work; returns 0 when every step's loss and gradients are within `tol` on every rank."""
-    import pp_tp
-    from pp_tp.mesh import init_distributed
-    from pp_tp.models.factory import build_model
-    from pp_tp.models.llama import init_weights
-    from pp_tp.stages.layouts import layout_for
-
     tol = DEFAULT_TOL[cfg.parallel.mixed_precision] if tol is None else tol
     init_distributed(cfg.training.comm_timeout_s)
     mesh = pp_tp.build_mesh(cfg.parallel)
@@ -55,8 +55,12 @@ def run_parity(cfg: JobConfig, steps: int, tol: float | None) -> int:
     device = pipe.device
     ref = ref.to(device)
     t = cfg.training
-    make_opt = lambda params: torch.optim.AdamW(params, lr=t.lr, betas=(t.beta1, t.beta2),  # noqa: E731
-                                                weight_decay=t.weight_decay)
+    make_opt = lambda params: torch.optim.AdamW(
+        params,
+        lr=t.lr,
+        betas=(t.beta1, t.beta2),  # noqa: E731
+        weight_decay=t.weight_decay,
+    )
     ref_opt = make_opt(ref.parameters())
     opt = make_opt([p for part in pipe.model_parts for p in part.parameters()])
     dp_rank = mesh["dp_replicate"].get_local_rank() * mesh["dp_shard"].size() + mesh["dp_shard"].get_local_rank()
@@ -70,10 +74,13 @@ def run_parity(cfg: JobConfig, steps: int, tol: float | None) -> int:
         ref_loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.to(device).flatten(), ignore_index=-100)
         ref_loss.backward()
         opt.zero_grad()
-        loss = pipe.step(ids[dp_rank * per:(dp_rank + 1) * per], labels[dp_rank * per:(dp_rank + 1) * per])
+        loss = pipe.step(ids[dp_rank * per : (dp_rank + 1) * per], labels[dp_rank * per : (dp_rank + 1) * per])
         ref_grads = dict(ref.named_parameters())
-        worst = max(_rel(full_tensor(p.grad), ref_grads[k].grad) for part in pipe.model_parts
-                    for k, p in part.named_parameters())
+        worst = max(
+            _rel(full_tensor(p.grad), ref_grads[k].grad)
+            for part in pipe.model_parts
+            for k, p in part.named_parameters()
+        )
         worst_t = torch.tensor([worst], dtype=torch.float64, device=device)
         dist.all_reduce(worst_t, op=dist.ReduceOp.MAX)
         loss_diff = abs(loss.item() - ref_loss.item()) / max(abs(ref_loss.item()), 1e-30)
@@ -95,8 +102,6 @@ def format_table(rows: list[tuple], tol: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Per-rank entry under torchrun: `python -m pp_tp.parity --config F [--steps N] [overrides]`."""
-    from pp_tp.cli import load_job
-
     parser = argparse.ArgumentParser(prog="pp_tp.parity")
     add_parity_args(parser)
     args = parser.parse_args(argv)
@@ -108,12 +113,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def add_parity_args(parser: argparse.ArgumentParser) -> None:
-    from pp_tp.cli import add_config_args
-
-    add_config_args(parser)
+    add_job_args(parser)
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps to compare")
-    parser.add_argument("--tol", type=float, default=None,
-                        help="relative tolerance (default 1e-4 for fp32, 5e-2 for bf16)")
+    parser.add_argument(
+        "--tol", type=float, default=None, help="relative tolerance (default 1e-4 for fp32, 5e-2 for bf16)"
+    )
 
 
 if __name__ == "__main__":

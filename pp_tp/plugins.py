@@ -3,14 +3,19 @@
 A package declares, in its pyproject.toml::
 
     [project.entry-points."pp_tp.model_layouts"]
-    mymodel = "mypkg.pp:LAYOUT"        # a pp_tp.stages.layouts.ModelLayout
+    mymodel = "mypkg.pp:LAYOUT"        # a pp_tp.extend.ModelLayout
     [project.entry-points."pp_tp.schedules"]
-    MySchedule = "mypkg.pp:SCHEDULE"   # a pp_tp.schedules.registry.ScheduleSpec
+    MySchedule = "mypkg.pp:SCHEDULE"   # a pp_tp.extend.ScheduleSpec
+
+`import pp_tp` loads them once, after its own registries exist; the registries never import this module.
 """
 
 from __future__ import annotations
 
 from importlib.metadata import entry_points
+
+from pp_tp.schedules.registry import register_schedule
+from pp_tp.stages.layouts import register_layout
 
 _loaded = False
 
@@ -21,9 +26,6 @@ def load_plugins() -> None:
     if _loaded:
         return
     _loaded = True
-    from pp_tp.schedules.registry import register_schedule
-    from pp_tp.stages.layouts import register_layout
-
     for ep in entry_points(group="pp_tp.model_layouts"):
         register_layout(ep.load())
     for ep in entry_points(group="pp_tp.schedules"):

@@ -14,22 +14,22 @@ from __future__ import annotations
 import functools
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 from unittest import mock
 
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.pipelining.schedules import (
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
     FORWARD,
     FULL_BACKWARD,
     OVERLAP_F_B,
-    _Action,
 )
 
+from pp_tp._torch import Action, patch_schedule_timing
 from pp_tp.schedules.registry import get_schedule_spec, is_csv_schedule, read_csv_schedule
 
 # Relative compute cost of each action in the simulation: a full backward is two forwards.
@@ -51,18 +51,18 @@ class Span:
 # The schedule as torch orders it, and its simulation
 
 
-def _looped_order(pp: int, microbatches: int, warmup: Callable[[int], int]) -> dict[int, list[_Action]]:
+def _looped_order(pp: int, microbatches: int, warmup: Callable[[int], int]) -> dict[int, list[Action]]:
     """What torch's GPipe and 1F1B loops run on stage s: `warmup(s)` forwards, then B/F pairs, then the Bs."""
     order = {}
     for s in range(pp):
-        fwd = [_Action(s, FORWARD, i) for i in range(microbatches)]
-        bwd = [_Action(s, FULL_BACKWARD, i) for i in range(microbatches)]
+        fwd = [Action(s, FORWARD, i) for i in range(microbatches)]
+        bwd = [Action(s, FULL_BACKWARD, i) for i in range(microbatches)]
         w = warmup(s)
-        order[s] = fwd[:w] + [a for pair in zip(bwd, fwd[w:]) for a in pair] + bwd[microbatches - w:]
+        order[s] = fwd[:w] + [a for pair in zip(bwd, fwd[w:]) for a in pair] + bwd[microbatches - w :]
     return order
 
 
-def schedule_actions(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1) -> list[list[_Action]]:
+def schedule_actions(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1) -> list[list[Action]]:
     """The compute actions of every pp rank in the order torch runs them.
 
     GPipe and 1F1B run hand-written loops in torch (their `pipeline_order` is only a picture, and for
@@ -85,12 +85,13 @@ def schedule_actions(schedule: str, pp: int, microbatches: int, stages_per_rank:
     return [[a for a in order[r] if a is not None and a.is_compute_op] for r in range(pp)]
 
 
-def _leaves(action: _Action) -> tuple[_Action, ...]:
+def _leaves(action: Action) -> tuple[Action, ...]:
     return action.sub_actions if action.computation_type == OVERLAP_F_B else (action,)
 
 
-def simulate(actions: list[list[_Action]], cost: Callable[[_Action], float] = lambda a: ACTION_COST[a.computation_type]
-             ) -> list[Span]:
+def simulate(
+    actions: list[list[Action]], cost: Callable[[Action], float] = lambda a: ACTION_COST[a.computation_type]
+) -> list[Span]:
     """Start and end of every action when each rank runs its list in order as soon as its inputs exist.
 
     Home-made: torch's `_simulate_comms_compute` has no durations and its visualizer's
@@ -100,7 +101,7 @@ def simulate(actions: list[list[_Action]], cost: Callable[[_Action], float] = la
     num_stages = 1 + max(leaf.stage_index for acts in actions for a in acts for leaf in _leaves(a))
     done: dict[tuple[int, Any, int], float] = {}
 
-    def ready(a: _Action) -> float | None:
+    def ready(a: Action) -> float | None:
         s, kind, mb = a.stage_index, a.computation_type, a.microbatch_index
         if kind == FORWARD:
             deps = [] if s == 0 else [[(s - 1, FORWARD, mb)]]
@@ -182,6 +183,7 @@ class StepRecorder:
 
     def _timed(self, fn: Callable, name: Callable[..., str | None], kind: str) -> Callable:
         """`fn` recording a span named `name(*args)` (None: not recorded)."""
+
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
             t = time.perf_counter()
@@ -192,6 +194,7 @@ class StepRecorder:
                 label = name(*args, **kwargs)
                 if label is not None:
                     self.spans.append(Span(self.rank, label, kind, t - self.t0, end - t))
+
         return wrapper
 
     def _stage_wrappers(self, stage: Any) -> dict[str, Callable]:
@@ -202,33 +205,36 @@ class StepRecorder:
             "backward_weight_one_chunk": lambda mb, *a, **k: f"{s}W{mb}",
             "perform_reduce_grad": lambda *a, **k: f"{s} reduce_grad",
         }
-        return {call: self._timed(getattr(stage, call), names[call],
-                                  "comm" if call == "perform_reduce_grad" else "compute")
-                for call in self._STAGE_CALLS}
+        return {
+            call: self._timed(getattr(stage, call), names[call], "comm" if call == "perform_reduce_grad" else "compute")
+            for call in self._STAGE_CALLS
+        }
 
-    def __enter__(self) -> "StepRecorder":
+    def __enter__(self) -> StepRecorder:
         for stage in self.stages:
             for call, wrapper in self._stage_wrappers(stage).items():
                 setattr(stage, call, wrapper)
-        self.schedule._maybe_compute_loss = self._timed(
-            self.schedule._maybe_compute_loss,
-            lambda stage, out, tgt, mb, *a: f"{stage.stage_index}L{mb}" if stage.is_last else None, "compute")
-        self._wait = torch_schedules._wait_batch_p2p
-        torch_schedules._wait_batch_p2p = self._timed(self._wait, lambda *a, **k: "p2p wait", "comm")
+        self._undo = patch_schedule_timing(
+            self.schedule,
+            lambda loss: self._timed(
+                loss, lambda stage, out, tgt, mb, *a: f"{stage.stage_index}L{mb}" if stage.is_last else None, "compute"
+            ),
+            lambda wait: self._timed(wait, lambda *a, **k: "p2p wait", "comm"),
+        )
         self.t0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.wall = time.perf_counter() - self.t0
-        torch_schedules._wait_batch_p2p = self._wait
+        self._undo()
         for stage in self.stages:
             for call in self._STAGE_CALLS:
                 del stage.__dict__[call]
-        del self.schedule.__dict__["_maybe_compute_loss"]
 
 
-def record_step(schedule: Any, step: Callable[[], Any],
-                group: dist.ProcessGroup | None = None) -> tuple[list[Span], float]:
+def record_step(
+    schedule: Any, step: Callable[[], Any], group: dist.ProcessGroup | None = None
+) -> tuple[list[Span], float]:
     """Runs `step()` between two barriers of `group`, recording it; returns this rank's spans and wall seconds."""
     dist.barrier(group=group)
     with StepRecorder(schedule) as rec:
@@ -248,13 +254,24 @@ def chrome_trace(sections: list[tuple[str, list[Span], float]]) -> dict:
     for i, (label, spans, us_per_unit) in enumerate(sections):
         for r in sorted({s.rank for s in spans}):
             pid = 1000 * i + r
-            events += [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"{label} rank {r}"}},
-                       {"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": pid}},
-                       {"name": "thread_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": "compute"}},
-                       {"name": "thread_name", "ph": "M", "pid": pid, "tid": 1, "args": {"name": "comm"}}]
-        events += [{"name": s.name, "cat": s.kind, "ph": "X", "pid": 1000 * i + s.rank,
-                    "tid": 0 if s.kind == "compute" else 1, "ts": s.start * us_per_unit, "dur": s.dur * us_per_unit}
-                   for s in spans]
+            events += [
+                {"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"{label} rank {r}"}},
+                {"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": pid}},
+                {"name": "thread_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": "compute"}},
+                {"name": "thread_name", "ph": "M", "pid": pid, "tid": 1, "args": {"name": "comm"}},
+            ]
+        events += [
+            {
+                "name": s.name,
+                "cat": s.kind,
+                "ph": "X",
+                "pid": 1000 * i + s.rank,
+                "tid": 0 if s.kind == "compute" else 1,
+                "ts": s.start * us_per_unit,
+                "dur": s.dur * us_per_unit,
+            }
+            for s in spans
+        ]
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 

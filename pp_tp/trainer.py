@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -20,9 +20,10 @@ from torch import nn
 
 import pp_tp
 from pp_tp.checkpoint import Checkpointer
-from pp_tp.config import JobConfig, TrainingConfig, load_config
+from pp_tp.config import JobConfig, TrainingConfig
 from pp_tp.data import ShardedBatches, dp_coords, make_source
 from pp_tp.errors import ConfigError
+from pp_tp.job import add_job_args, load_job
 from pp_tp.liveness import PeerWatch
 from pp_tp.mesh import init_distributed
 from pp_tp.metrics import MetricsLogger, peak_flops
@@ -30,8 +31,6 @@ from pp_tp.models.factory import build_model
 from pp_tp.parallel.grads import clip_grad_norm_
 from pp_tp.stages import cost
 from pp_tp.stages.layouts import layout_for
-
-TEST_KILL_ENV = "PP_TP_TEST_KILL"
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -42,35 +41,32 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
 
-def build_optimizers(parts: list[nn.Module], t: TrainingConfig, device_type: str
-                     ) -> tuple[list[torch.optim.Optimizer], list[torch.optim.lr_scheduler.LambdaLR]]:
+def build_optimizers(
+    parts: list[nn.Module], t: TrainingConfig, device_type: str
+) -> tuple[list[torch.optim.Optimizer], list[torch.optim.lr_scheduler.LambdaLR]]:
     """One AdamW and LR schedule per model part: torch's optimizer state-dict helpers map a part's own
     parameters to FQNs, so per-part optimizers give checkpoints keyed by the full model's names."""
-    optimizers = [torch.optim.AdamW(part.parameters(), lr=t.lr, betas=(t.beta1, t.beta2),
-                                    weight_decay=t.weight_decay, foreach=device_type == "cuda")
-                  for part in parts]
-    schedulers = [torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_factor(s, t.warmup_steps, t.steps, t.min_lr_ratio)) for opt in optimizers]
+    optimizers = [
+        torch.optim.AdamW(
+            part.parameters(),
+            lr=t.lr,
+            betas=(t.beta1, t.beta2),
+            weight_decay=t.weight_decay,
+            foreach=device_type == "cuda",
+        )
+        for part in parts
+    ]
+    schedulers = [
+        torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, t.warmup_steps, t.steps, t.min_lr_ratio))
+        for opt in optimizers
+    ]
     return optimizers, schedulers
 
 
-def check_job(cfg: JobConfig) -> None:
-    """Every check that needs no process group beyond `validate`: the data source opens and fits the model."""
-    make_source(cfg)
+def train(cfg: JobConfig, before_step: Callable[[int], None] | None = None) -> list[dict]:
+    """Runs (or resumes) the job on this rank; returns one metrics row per step run here (global numbers).
 
-
-def _test_kill(step: int) -> None:
-    """Fault-injection hook for the tests: PP_TP_TEST_KILL="rank:step" hard-kills that rank at that step,
-    on a torchrun job's first attempt only (TORCHELASTIC_RESTART_COUNT 0 or unset)."""
-    spec = os.environ.get(TEST_KILL_ENV)
-    if spec and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-        rank, at = (int(x) for x in spec.split(":"))
-        if dist.get_rank() == rank and step == at:
-            os._exit(13)
-
-
-def train(cfg: JobConfig) -> list[dict]:
-    """Runs (or resumes) the job on this rank; returns one metrics row per step run here (global numbers)."""
+    `before_step(step)` runs at the start of every step (fault injection, profiling)."""
     t = cfg.training
     source = make_source(cfg)
     init_distributed(t.comm_timeout_s)
@@ -89,19 +85,27 @@ def train(cfg: JobConfig) -> list[dict]:
         if dist.get_rank() == 0:
             print(f"resumed from {resume} at step {step}", flush=True)
             if step >= t.steps:
-                print(f"nothing to train: the run is complete (training.steps = {t.steps}); raise training.steps "
-                      f"to continue or delete {cfg.checkpoint.folder} to start over", flush=True)
+                print(
+                    f"nothing to train: the run is complete (training.steps = {t.steps}); raise training.steps "
+                    f"to continue or delete {cfg.checkpoint.folder} to start over",
+                    flush=True,
+                )
     flops = dims.n_layers * cost.block_flops(dims, t.seq_len) + cost.head_flops(dims) + cost.embed_flops(dims)
-    device_peak = (peak_flops(torch.cuda.get_device_name())
-                   if mesh.device_type == "cuda" and cfg.parallel.mixed_precision == "bf16" else None)
-    metrics = MetricsLogger(t.metrics_file, t.log_every, dist.get_rank() == 0, flops, dist.get_world_size(),
-                            device_peak)
+    device_peak = (
+        peak_flops(torch.cuda.get_device_name())
+        if mesh.device_type == "cuda" and cfg.parallel.mixed_precision == "bf16"
+        else None
+    )
+    metrics = MetricsLogger(
+        t.metrics_file, t.log_every, dist.get_rank() == 0, flops, dist.get_world_size(), device_peak
+    )
     watch = PeerWatch()
     rows = []
     try:
         while step < t.steps:
             step += 1
-            _test_kill(step)
+            if before_step is not None:
+                before_step(step)
             with watch.naming_dead_peers(step):
                 start = time.perf_counter()
                 ids, labels = loader.next()
@@ -113,28 +117,30 @@ def train(cfg: JobConfig) -> list[dict]:
                 for opt, sched in zip(optimizers, schedulers):
                     opt.step()
                     sched.step()
-                rows.append(metrics.log(step, step == t.steps, loss, grad_norm, lr, t.batch_size * t.seq_len,
-                                        time.perf_counter() - start))
+                rows.append(
+                    metrics.log(
+                        step,
+                        step == t.steps,
+                        loss,
+                        grad_norm,
+                        lr,
+                        t.batch_size * t.seq_len,
+                        time.perf_counter() - start,
+                    )
+                )
                 ckpt.maybe_save(step, last=step == t.steps)
     finally:
         watch.stop()
     return rows
 
 
-def add_train_args(parser: argparse.ArgumentParser) -> None:
-    """The per-rank arguments, shared by `pp-tp train` and `python -m pp_tp.trainer`."""
-    parser.add_argument("--config", required=True, help="TOML job file")
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
-                        help="override a TOML value, e.g. training.steps=20 parallel.schedule=GPipe")
-
-
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, before_step: Callable[[int], None] | None = None) -> int:
     """Per-rank entry under torchrun; the world size comes from torchrun's environment."""
     parser = argparse.ArgumentParser(prog="python -m pp_tp.trainer", description=__doc__.splitlines()[0])
-    add_train_args(parser)
+    add_job_args(parser)
     args = parser.parse_args(argv)
     try:
-        train(load_config(args.config, args.overrides))
+        train(load_job(args), before_step)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -13,8 +13,9 @@ import queue
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 
@@ -34,8 +35,9 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     import torch
     import torch.distributed as dist
 
@@ -66,8 +68,10 @@ class World:
         port = _free_port()
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
-        self._procs = [ctx.Process(target=_worker, args=(r, self.world_size, port, self._tasks[r], self._results),
-                                   daemon=True) for r in range(self.world_size)]
+        self._procs = [
+            ctx.Process(target=_worker, args=(r, self.world_size, port, self._tasks[r], self._results), daemon=True)
+            for r in range(self.world_size)
+        ]
         for p in self._procs:
             p.start()
 
@@ -93,8 +97,10 @@ class World:
         if errors or len(out) < self.world_size:
             self.close()
             missing = sorted(set(range(self.world_size)) - set(out) - set(errors))
-            msg = [f"case {fn.__module__}.{fn.__name__} failed on ranks {sorted(errors)}"
-                   + (f"; no answer from ranks {missing}" if missing else "")]
+            msg = [
+                f"case {fn.__module__}.{fn.__name__} failed on ranks {sorted(errors)}"
+                + (f"; no answer from ranks {missing}" if missing else "")
+            ]
             msg += [f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())]
             raise RankError("\n".join(msg))
         return [out[r] for r in range(self.world_size)]

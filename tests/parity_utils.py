@@ -13,7 +13,7 @@ from torch import nn
 import pp_tp
 from pp_tp.config import ModelConfig, ParallelConfig
 from pp_tp.models.factory import build_model
-from pp_tp.models.llama import ModelArgs
+from pp_tp.models.reference.model import ModelArgs
 from pp_tp.parallel.grads import clip_grad_norm_
 from pp_tp.tensor_utils import full_tensor
 
@@ -51,9 +51,14 @@ def reference_state(args: ModelArgs = TINY, hf: bool = False, seed: int = 0) -> 
     """Random full weights by FQN, with non-trivial norms and biases so every path is exercised."""
     gen = torch.Generator().manual_seed(seed)
     model = make_model(args, hf)
-    return {k: (torch.randn(v.shape, generator=gen) * (0.1 if k.endswith("bias") else 0.05)
-                + (1.0 if k.endswith("norm.weight") else 0.0))
-            for k, v in model.state_dict().items() if v.is_floating_point()}
+    return {
+        k: (
+            torch.randn(v.shape, generator=gen) * (0.1 if k.endswith("bias") else 0.05)
+            + (1.0 if k.endswith("norm.weight") else 0.0)
+        )
+        for k, v in model.state_dict().items()
+        if v.is_floating_point()
+    }
 
 
 def batch(args: ModelArgs, n: int, seq: int, seed: int = 1, pad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,7 +69,7 @@ def batch(args: ModelArgs, n: int, seq: int, seed: int = 1, pad: bool = True) ->
     if pad:
         for i in range(n):
             cut = (i * 5 + 3) % seq
-            labels[i, seq - cut:] = -100
+            labels[i, seq - cut :] = -100
     return ids, labels
 
 
@@ -73,8 +78,16 @@ def logits_of(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out
 
 
-def reference_run(state: dict, ids: torch.Tensor, labels: torch.Tensor, args: ModelArgs = TINY, hf: bool = False,
-                  steps: int = 1, lr: float = 1e-3, max_norm: float | None = None) -> dict:
+def reference_run(
+    state: dict,
+    ids: torch.Tensor,
+    labels: torch.Tensor,
+    args: ModelArgs = TINY,
+    hf: bool = False,
+    steps: int = 1,
+    lr: float = 1e-3,
+    max_norm: float | None = None,
+) -> dict:
     """The single-process, non-PP build: loss, gradients and params after `steps` AdamW steps."""
     torch.manual_seed(0)
     model = make_model(args, hf)
@@ -100,16 +113,24 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / (b.double().norm() + 1e-30))
 
 
-def run_pipeline(pcfg: ParallelConfig, state: dict, ids: torch.Tensor, labels: torch.Tensor,
-                 args: ModelArgs = TINY, hf: bool = False, steps: int = 1, lr: float = 1e-3,
-                 max_norm: float | None = None) -> dict:
+def run_pipeline(
+    pcfg: ParallelConfig,
+    state: dict,
+    ids: torch.Tensor,
+    labels: torch.Tensor,
+    args: ModelArgs = TINY,
+    hf: bool = False,
+    steps: int = 1,
+    lr: float = 1e-3,
+    max_norm: float | None = None,
+) -> dict:
     """The pipelined build on the same weights and batch; each DP rank takes its slice of the batch."""
     mesh = mesh_for(pcfg)
     model = make_model(args, hf, device="meta")
     pipe = pp_tp.build_pipeline(model, mesh, pcfg, state_dict=state)
     dp_rank = mesh["dp_replicate"].get_local_rank() * mesh["dp_shard"].size() + mesh["dp_shard"].get_local_rank()
     per = ids.shape[0] // pcfg.dp
-    ids, labels = ids[dp_rank * per:(dp_rank + 1) * per], labels[dp_rank * per:(dp_rank + 1) * per]
+    ids, labels = ids[dp_rank * per : (dp_rank + 1) * per], labels[dp_rank * per : (dp_rank + 1) * per]
     params = [p for part in pipe.model_parts for p in part.parameters()]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.1, eps=ADAM_EPS)
     losses, grads, norms = [], None, []
@@ -117,8 +138,9 @@ def run_pipeline(pcfg: ParallelConfig, state: dict, ids: torch.Tensor, labels: t
         opt.zero_grad()
         losses.append(pipe.step(ids, labels).item())
         if i == 0:
-            grads = {k: full_tensor(p.grad).detach().clone() for part in pipe.model_parts
-                     for k, p in part.named_parameters()}
+            grads = {
+                k: full_tensor(p.grad).detach().clone() for part in pipe.model_parts for k, p in part.named_parameters()
+            }
         if max_norm is not None:
             norms.append(float(clip_grad_norm_(pipe.model_parts, max_norm, mesh)))
         opt.step()
@@ -126,8 +148,16 @@ def run_pipeline(pcfg: ParallelConfig, state: dict, ids: torch.Tensor, labels: t
     return {"losses": losses, "grads": grads, "params": out, "pipe": pipe, "norms": norms}
 
 
-def compare(pcfg: ParallelConfig, args: ModelArgs = TINY, hf: bool = False, steps: int = 1, batch_size: int = 8,
-            seq: int = 16, pad: bool = True, max_norm: float | None = None) -> dict:
+def compare(
+    pcfg: ParallelConfig,
+    args: ModelArgs = TINY,
+    hf: bool = False,
+    steps: int = 1,
+    batch_size: int = 8,
+    seq: int = 16,
+    pad: bool = True,
+    max_norm: float | None = None,
+) -> dict:
     """Runs both builds; returns plain numbers (picklable) for the test to assert on.
 
     With `max_norm`, both clip before every optimizer step: torch's clip_grad_norm_ vs pp_tp's.
@@ -140,10 +170,18 @@ def compare(pcfg: ParallelConfig, args: ModelArgs = TINY, hf: bool = False, step
     param_err = max(rel_err(p, ref["params"][k]) for k, p in got["params"].items())
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"]))
     norm_err = max((abs(a - b) / b for a, b in zip(got["norms"], ref["norms"])), default=0.0)
-    return {"loss_err": loss_err, "grad_err": grad_err, "param_err": param_err, "losses": got["losses"],
-            "norm_err": norm_err, "norms": got["norms"], "ref_norms": ref["norms"],
-            "names": sorted(got["grads"]), "all_names": sorted(ref["grads"]),
-            "pp_rank": got["pipe"].mesh.get_local_rank("pp")}
+    return {
+        "loss_err": loss_err,
+        "grad_err": grad_err,
+        "param_err": param_err,
+        "losses": got["losses"],
+        "norm_err": norm_err,
+        "norms": got["norms"],
+        "ref_norms": ref["norms"],
+        "names": sorted(got["grads"]),
+        "all_names": sorted(ref["grads"]),
+        "pp_rank": got["pipe"].mesh.get_local_rank("pp"),
+    }
 
 
 def assert_parity(results: list[dict], tol: float = 1e-5) -> None:

@@ -6,7 +6,6 @@ import os
 import shutil
 
 import pytest
-
 from train_utils import job, train_case
 
 # Saved at pp2 x tp2 on 4 ranks; each row loads its step-3 checkpoint at another layout.
@@ -52,8 +51,9 @@ def test_resume_is_exact(saved, tmp_path, world):
 
 
 @pytest.mark.parametrize("world_size, parallel", LAYOUTS, ids=["pp4", "pp1xtp2xdp2", "pp1xdp4", "pp2-on-2-ranks"])
-def test_checkpoint_loads_at_another_layout_and_continues_with_the_same_loss(saved, tmp_path, world, world_size,
-                                                                             parallel):
+def test_checkpoint_loads_at_another_layout_and_continues_with_the_same_loss(
+    saved, tmp_path, world, world_size, parallel
+):
     full, resumed = _resume_from_step_3(saved, tmp_path, world_size, parallel, world)
     assert [r["step"] for r in resumed] == [4, 5, 6]
     for got, want in zip(resumed, full[3:]):
@@ -64,6 +64,7 @@ def test_checkpoint_loads_at_another_layout_and_continues_with_the_same_loss(sav
 
 def test_keep_drops_the_oldest(tmp_path, world):
     folder = str(tmp_path / "run")
-    world(4).run(train_case, job(training={"steps": 3}, checkpoint={"enable": True, "folder": folder, "interval": 1,
-                                                                    "keep": 2}))
+    world(4).run(
+        train_case, job(training={"steps": 3}, checkpoint={"enable": True, "folder": folder, "interval": 1, "keep": 2})
+    )
     assert sorted(os.listdir(folder)) == ["step-2", "step-3"]

@@ -18,8 +18,9 @@ microbatches = 4
 
 def run_check(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
-    return subprocess.run([sys.executable, "-m", "pp_tp.cli", "check", *args],
-                          capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "pp_tp.cli", "check", *args], capture_output=True, text=True, env=env, timeout=120
+    )
 
 
 @pytest.fixture
@@ -36,10 +37,13 @@ def test_good_config_prints_the_resolved_config(good):
     assert result.stderr == ""
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (["--world-size", "6"], "parallel.dp_shard = -1 cannot fill world size 6"),
-    (["--world-size", "8", "parallel.schedule=1F1b"], "did you mean '1F1B'"),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--world-size", "6"], "parallel.dp_shard = -1 cannot fill world size 6"),
+        (["--world-size", "8", "parallel.schedule=1F1b"], "did you mean '1F1B'"),
+    ],
+)
 def test_bad_config_is_one_error_line(good, args, fragment):
     result = run_check("--config", good, *args)
     assert result.returncode == 2

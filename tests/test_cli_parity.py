@@ -32,8 +32,12 @@ lr = 1e-3
 def _run(tmp_path, *extra: str) -> subprocess.CompletedProcess:
     path = tmp_path / "job.toml"
     path.write_text(CONFIG)
-    return subprocess.run([sys.executable, "-m", "pp_tp.cli", "parity", "--config", str(path), *extra],
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "pp_tp.cli", "parity", "--config", str(path), *extra],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_parity_command_passes_and_prints_a_row_per_step(tmp_path):

@@ -10,7 +10,6 @@ import pytest
 from pp_tp.config import (
     JobConfig,
     ParallelConfig,
-    check_model_shape,
     config_from_dict,
     config_to_dict,
     format_config,
@@ -19,6 +18,9 @@ from pp_tp.config import (
     validate,
 )
 from pp_tp.errors import ConfigError
+from pp_tp.job import check_job
+from pp_tp.preflight import check_model_shape
+from pp_tp.stages.layouts import ModelDims
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -81,15 +83,18 @@ def test_base_loads_and_resolves_dp_shard(base):
     assert cfg.model.n_layers == 4 and cfg.training.steps == 3
 
 
-@pytest.mark.parametrize("overrides, field, expected", [
-    (["parallel.tp=1", "training.batch_size=16"], "tp", 1),
-    (["parallel.schedule=GPipe"], "schedule", "GPipe"),
-    (['parallel.schedule="GPipe"'], "schedule", "GPipe"),
-    (["parallel.split=layers_per_stage", "parallel.layers_per_stage=[1,3]"], "layers_per_stage", [1, 3]),
-    (["parallel.fsdp_reshard_after_forward=never"], "fsdp_reshard_after_forward", "never"),
-    (["parallel.fsdp_reshard_after_forward=2"], "fsdp_reshard_after_forward", 2),
-    (["parallel.compile=true"], "compile", True),
-])
+@pytest.mark.parametrize(
+    "overrides, field, expected",
+    [
+        (["parallel.tp=1", "training.batch_size=16"], "tp", 1),
+        (["parallel.schedule=GPipe"], "schedule", "GPipe"),
+        (['parallel.schedule="GPipe"'], "schedule", "GPipe"),
+        (["parallel.split=layers_per_stage", "parallel.layers_per_stage=[1,3]"], "layers_per_stage", [1, 3]),
+        (["parallel.fsdp_reshard_after_forward=never"], "fsdp_reshard_after_forward", "never"),
+        (["parallel.fsdp_reshard_after_forward=2"], "fsdp_reshard_after_forward", 2),
+        (["parallel.compile=true"], "compile", True),
+    ],
+)
 def test_overrides(base, overrides, field, expected):
     assert getattr(load_config(base, overrides, world_size=WORLD).parallel, field) == expected
 
@@ -113,15 +118,19 @@ def test_world_size_defaults_to_the_product_of_degrees(base):
 
 
 def test_layers_per_stage_may_leave_a_stage_without_layers(base):
-    cfg = load_config(base, ["model.n_layers=1", "parallel.split=layers_per_stage",
-                             "parallel.layers_per_stage=[0,1]"], world_size=WORLD)
+    cfg = load_config(
+        base,
+        ["model.n_layers=1", "parallel.split=layers_per_stage", "parallel.layers_per_stage=[0,1]"],
+        world_size=WORLD,
+    )
     assert cfg.parallel.layers_per_stage == [0, 1]
 
 
 def test_explicit_split_is_not_bound_by_layer_count(base):
     fqns = '[["tok_embeddings", "layers.0"], ["norm", "output"]]'
-    cfg = load_config(base, ["model.n_layers=1", "parallel.split=explicit", f"parallel.stage_fqns={fqns}"],
-                      world_size=WORLD)
+    cfg = load_config(
+        base, ["model.n_layers=1", "parallel.split=explicit", f"parallel.stage_fqns={fqns}"], world_size=WORLD
+    )
     assert cfg.parallel.stage_fqns[1] == ["norm", "output"]
 
 
@@ -145,6 +154,29 @@ def test_validate_on_dataclasses_built_in_python():
     assert cfg.parallel.dp_shard == 1
 
 
+@pytest.mark.parametrize(
+    "schedule, expected",
+    [
+        ("GPipe", 1),
+        ("1F1B", 1),
+        ("Interleaved1F1B", 2),
+        ("LoopedBFS", 2),
+        ("InterleavedZeroBubble", 2),
+        ("ZBVZeroBubble", 2),
+        ("DualPipeV", 2),
+    ],
+)
+def test_stages_per_rank_defaults_from_the_schedule(schedule, expected):
+    pcfg = resolve_parallel(ParallelConfig(pp=2, schedule=schedule, microbatches=4), world_size=2)
+    assert pcfg.stages_per_rank == expected and pcfg.num_stages == 2 * expected
+
+
+def test_stages_per_rank_defaults_from_a_csv_schedule(tmp_path):
+    csv = tmp_path / "v.csv"
+    csv.write_text("0F0,1F0,1B0,0B0\n")  # one rank, two stages
+    assert resolve_parallel(ParallelConfig(pp=1, schedule=str(csv)), world_size=1).stages_per_rank == 2
+
+
 def test_resolve_parallel_returns_a_resolved_copy():
     pcfg = ParallelConfig(pp=2, tp=2, dp_shard=-1, microbatches=4)
     resolved = resolve_parallel(pcfg, world_size=8)
@@ -153,9 +185,11 @@ def test_resolve_parallel_returns_a_resolved_copy():
 
 def test_check_model_shape_on_plain_values():
     pcfg = ParallelConfig(pp=2, tp=4)
-    check_model_shape(pcfg, n_layers=2, n_heads=8, n_kv_heads=None, ffn_dim=64, vocab_size=128)
-    assert "model.n_kv_heads = 2" in config_error(
-        check_model_shape, pcfg, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=64, vocab_size=128)
+    dims = ModelDims(
+        n_layers=2, dim=128, n_heads=8, n_kv_heads=8, ffn_dim=64, vocab_size=128, max_seq_len=64, tied=False
+    )
+    check_model_shape(pcfg, dims)
+    assert "model.n_kv_heads = 2" in config_error(check_model_shape, pcfg, dataclasses.replace(dims, n_kv_heads=2))
 
 
 # --- invalid jobs: (overrides, world size, fragments the message must contain) -----------------
@@ -189,8 +223,11 @@ ERROR_CASES = [
     ([], 0, ["world size 0 must be >= 1"]),
     # tp divisibility
     (["parallel.pp=1", "parallel.tp=8"], WORLD, ["model.n_heads = 4 is not divisible by parallel.tp = 8"]),
-    (["model.n_heads=8", "model.n_kv_heads=2", "model.dim=128", "parallel.tp=4"], WORLD,
-     ["model.n_kv_heads = 2 is not divisible by parallel.tp = 4"]),
+    (
+        ["model.n_heads=8", "model.n_kv_heads=2", "model.dim=128", "parallel.tp=4"],
+        WORLD,
+        ["model.n_kv_heads = 2 is not divisible by parallel.tp = 4"],
+    ),
     (["model.ffn_dim=175"], WORLD, ["model.ffn_dim = 175 is not divisible by parallel.tp = 2"]),
     (["model.vocab_size=255"], WORLD, ["model.vocab_size = 255 is not divisible by parallel.tp = 2"]),
     # model shape
@@ -199,20 +236,33 @@ ERROR_CASES = [
     (["model.dim=12"], WORLD, ["odd head_dim", "RoPE"]),
     (["model.n_heads=0"], WORLD, ["model.n_heads = 0 must be >= 1"]),
     (["model.n_layers=1"], WORLD, ["model.n_layers = 1 is fewer than the 2 pipeline stages"]),
-    (["model.n_layers=3", "parallel.schedule=Interleaved1F1B", "parallel.stages_per_rank=2"], WORLD,
-     ["model.n_layers = 3 is fewer than the 4 pipeline stages"]),
-    (["model.tie_embeddings=true"], WORLD,
-     ["tied input/output embeddings across pipeline stages are not supported; "
-      "set model.tie_embeddings = false or parallel.pp = 1"]),
+    (
+        ["model.n_layers=3", "parallel.schedule=Interleaved1F1B", "parallel.stages_per_rank=2"],
+        WORLD,
+        ["model.n_layers = 3 is fewer than the 4 pipeline stages"],
+    ),
+    (
+        ["model.tie_embeddings=true"],
+        WORLD,
+        ["tied input/output embeddings across pipeline stages are not supported", "set model.tie_embeddings = false"],
+    ),
     # schedules
     (["parallel.schedule=1F1b"], WORLD, ["parallel.schedule = '1F1b' is unknown", "did you mean '1F1B'"]),
-    (["parallel.schedule=ZBVZeroBubble"], WORLD, ["parallel.stages_per_rank = 1", "needs exactly 2"]),
+    (
+        ["parallel.schedule=ZBVZeroBubble", "parallel.stages_per_rank=1"],
+        WORLD,
+        ["parallel.stages_per_rank = 1", "needs exactly 2"],
+    ),
+    (["parallel.pp=1", "parallel.tp=2", "model.tie_embeddings=true"], 2, ["tied input/output embeddings"]),
     (["parallel.microbatches=1", "training.batch_size=2"], WORLD, ["parallel.microbatches = 1", "raise"]),
     (["parallel.schedule=missing.csv"], WORLD, ["parallel.schedule = 'missing.csv'", "file not found"]),
     # batch and sequence
     (["training.batch_size=6"], WORLD, ["training.batch_size = 6", "local batch of 3", "multiple of", "= 8"]),
-    (["training.batch_size=4", "parallel.dp_replicate=2", "parallel.dp_shard=-1"], 16,
-     ["training.batch_size = 4", "local batch of 1 per DP rank (dp = 4)", "multiple of dp * microbatches = 16"]),
+    (
+        ["training.batch_size=4", "parallel.dp_replicate=2", "parallel.dp_shard=-1"],
+        16,
+        ["training.batch_size = 4", "local batch of 1 per DP rank (dp = 4)", "multiple of dp * microbatches = 16"],
+    ),
     (["training.seq_len=512"], WORLD, ["training.seq_len = 512 exceeds model.max_seq_len = 256"]),
     # enums
     (["parallel.split=evn"], WORLD, ["parallel.split = 'evn' is not one of", "did you mean 'even'"]),
@@ -223,22 +273,36 @@ ERROR_CASES = [
     (["model.kind=gpt"], WORLD, ["model.kind = 'gpt'", "reference, hf_llama"]),
     (["data.source=web"], WORLD, ["data.source = 'web'", "synthetic, text"]),
     # fsdp reshard group size
-    (["parallel.fsdp_reshard_after_forward=3"], WORLD,
-     ["parallel.fsdp_reshard_after_forward = 3", "dividing parallel.dp_shard = 2"]),
+    (
+        ["parallel.fsdp_reshard_after_forward=3"],
+        WORLD,
+        ["parallel.fsdp_reshard_after_forward = 3", "dividing parallel.dp_shard = 2"],
+    ),
     (["parallel.fsdp_reshard_after_forward=0"], WORLD, ["parallel.fsdp_reshard_after_forward = 0"]),
     # split lists
     (["parallel.split=layers_per_stage"], WORLD, ["needs parallel.layers_per_stage with one entry per stage (2)"]),
-    (["parallel.split=layers_per_stage", "parallel.layers_per_stage=[1,3,0]"], WORLD,
-     ["parallel.layers_per_stage has 3 entries but there are 2 stages"]),
-    (["parallel.split=layers_per_stage", "parallel.layers_per_stage=[-1,5]"], WORLD,
-     ["parallel.layers_per_stage = [-1, 5] has a negative count"]),
-    (["parallel.split=layers_per_stage", "parallel.layers_per_stage=[1,2]"], WORLD,
-     ["parallel.layers_per_stage = [1, 2] sums to 3 but model.n_layers = 4"]),
+    (
+        ["parallel.split=layers_per_stage", "parallel.layers_per_stage=[1,3,0]"],
+        WORLD,
+        ["parallel.layers_per_stage has 3 entries but there are 2 stages"],
+    ),
+    (
+        ["parallel.split=layers_per_stage", "parallel.layers_per_stage=[-1,5]"],
+        WORLD,
+        ["parallel.layers_per_stage = [-1, 5] has a negative count"],
+    ),
+    (
+        ["parallel.split=layers_per_stage", "parallel.layers_per_stage=[1,2]"],
+        WORLD,
+        ["parallel.layers_per_stage = [1, 2] sums to 3 but model.n_layers = 4"],
+    ),
     (["parallel.split=explicit"], WORLD, ["needs parallel.stage_fqns"]),
-    (['parallel.split=explicit', 'parallel.stage_fqns=[["layers.0"]]'], WORLD,
-     ["parallel.stage_fqns has 1 entries but there are 2 stages"]),
-    (['parallel.split=explicit', 'parallel.stage_fqns=[["layers.0"], []]'], WORLD,
-     ["parallel.stage_fqns[1] is empty"]),
+    (
+        ["parallel.split=explicit", 'parallel.stage_fqns=[["layers.0"]]'],
+        WORLD,
+        ["parallel.stage_fqns has 1 entries but there are 2 stages"],
+    ),
+    (["parallel.split=explicit", 'parallel.stage_fqns=[["layers.0"], []]'], WORLD, ["parallel.stage_fqns[1] is empty"]),
     (["parallel.split_embed_weight=-1"], WORLD, ["parallel.split_embed_weight = -1.0 must be >= 0"]),
     (["parallel.split_head_weight=-0.5"], WORLD, ["parallel.split_head_weight = -0.5 must be >= 0"]),
     # data, checkpoint, training
@@ -255,10 +319,12 @@ ERROR_CASES = [
 ]
 
 
-@pytest.mark.parametrize("overrides, world_size, fragments", ERROR_CASES, ids=[" ".join(c[0]) or f"ws{c[1]}"
-                                                                                  for c in ERROR_CASES])
+@pytest.mark.parametrize(
+    "overrides, world_size, fragments", ERROR_CASES, ids=[" ".join(c[0]) or f"ws{c[1]}" for c in ERROR_CASES]
+)
 def test_invalid_job(base, overrides, world_size, fragments):
-    message = config_error(load_config, base, overrides, world_size=world_size)
+    """Config-only rules fail in load_config, model rules in check_job (what every CLI command runs)."""
+    message = config_error(lambda: check_job(load_config(base, overrides, world_size=world_size), world_size))
     for fragment in fragments:
         assert fragment in message
 
@@ -270,8 +336,11 @@ def test_bad_csv_schedule(base, tmp_path):
     assert "runs 1 stages on 1 ranks" in message and "parallel.pp = 1" in message
 
 
-ALL_KEYS = [(section.name, f.name) for section in dataclasses.fields(JobConfig)
-            for f in dataclasses.fields(section.default_factory)]
+ALL_KEYS = [
+    (section.name, f.name)
+    for section in dataclasses.fields(JobConfig)
+    for f in dataclasses.fields(section.default_factory)
+]
 
 
 @pytest.mark.parametrize("section, key", ALL_KEYS)
@@ -308,4 +377,4 @@ def test_malformed_toml_names_the_line(tmp_path):
 
 def test_resolve_parallel_checks_python_built_configs():
     assert "parallel.tp = 0" in config_error(resolve_parallel, ParallelConfig(tp=0), world_size=1)
-    assert "parallel.tp = \"2\"" in config_error(resolve_parallel, ParallelConfig(tp="2"), world_size=2)
+    assert 'parallel.tp = "2"' in config_error(resolve_parallel, ParallelConfig(tp="2"), world_size=2)

@@ -6,13 +6,13 @@ import glob
 import os
 
 import pytest
+from train_utils import REPO
 
 from pp_tp.config import load_config
+from pp_tp.job import check_job
 from pp_tp.models.factory import build_model
 from pp_tp.stages.layouts import layout_for
 from pp_tp.stages.plan import plan_stages
-from pp_tp.trainer import check_job
-from train_utils import REPO
 
 # name: (world size, parameters in billions, layers per stage)
 SHIPPED = {

@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 
 from pp_tp.config import ParallelConfig
-from pp_tp.parallel import compile as compile_pass
 from pp_tp.parallel.comm_ledger import CommLedger
 from pp_tp.parallel.fsdp import keeps_params_gathered, reshard_after_forward, uses_fsdp
 from pp_tp.parallel.grads import clip_grad_norm_, total_grad_norm
@@ -26,13 +25,17 @@ ARGS8 = replace(pu.TINY, n_layers=8)
 
 # --- single process: the policy table --------------------------------------------------------------
 
-@pytest.mark.parametrize("kw, expected, gathered", [
-    (dict(pp=2, fsdp_reshard_after_forward="default"), False, True),
-    (dict(pp=1, fsdp_reshard_after_forward="default"), None, False),
-    (dict(pp=2, fsdp_reshard_after_forward="always"), True, False),
-    (dict(pp=1, fsdp_reshard_after_forward="never"), False, True),
-    (dict(pp=2, fsdp_reshard_after_forward=2), 2, False),
-])
+
+@pytest.mark.parametrize(
+    "kw, expected, gathered",
+    [
+        (dict(pp=2, fsdp_reshard_after_forward="default"), False, True),
+        (dict(pp=1, fsdp_reshard_after_forward="default"), None, False),
+        (dict(pp=2, fsdp_reshard_after_forward="always"), True, False),
+        (dict(pp=1, fsdp_reshard_after_forward="never"), False, True),
+        (dict(pp=2, fsdp_reshard_after_forward=2), 2, False),
+    ],
+)
 def test_reshard_policy(kw, expected, gathered):
     pcfg = ParallelConfig(dp_shard=4, **kw)
     assert repr(reshard_after_forward(pcfg)) == repr(expected)  # None, True/False and 2 kept apart
@@ -47,21 +50,18 @@ def test_fsdp_is_used_for_dp_or_bf16_only():
 
 # --- parity ----------------------------------------------------------------------------------------
 
+
 def parity_case(configs: list[dict], args=pu.TINY, batch_size: int = 8, backend: str | None = None) -> list[dict]:
     """compare() for each config, clipping every step; `backend` compiles with that torch.compile backend."""
     graphs = torch._dynamo.utils.counters["stats"]
-    old = compile_pass.BACKEND
-    compile_pass.BACKEND = backend or old
-    try:
-        out = []
-        for kw in configs:
-            before = graphs["unique_graphs"]
-            r = pu.compare(pu.pcfg_of(**kw), args, steps=3, batch_size=batch_size, max_norm=MAX_NORM)
-            r["graphs"] = graphs["unique_graphs"] - before
-            out.append(r)
-        return out
-    finally:
-        compile_pass.BACKEND = old
+    out = []
+    for kw in configs:
+        before = graphs["unique_graphs"]
+        kw = {**kw, "compile_backend": backend} if backend else kw
+        r = pu.compare(pu.pcfg_of(**kw), args, steps=3, batch_size=batch_size, max_norm=MAX_NORM)
+        r["graphs"] = graphs["unique_graphs"] - before
+        out.append(r)
+    return out
 
 
 def _assert_all(results: list[list[dict]], tol: float) -> None:
@@ -75,8 +75,14 @@ PP2_DP2 = [
     dict(pp=2, dp_shard=2, schedule="Interleaved1F1B", stages_per_rank=2, microbatches=2),
     dict(pp=2, dp_shard=2, schedule="ZBVZeroBubble", stages_per_rank=2, microbatches=4),
     # Policies that re-gather parameters, and HSDP without pp: the numbers must not move.
-    dict(pp=2, dp_shard=2, schedule="Interleaved1F1B", stages_per_rank=2, microbatches=2,
-         fsdp_reshard_after_forward="always"),
+    dict(
+        pp=2,
+        dp_shard=2,
+        schedule="Interleaved1F1B",
+        stages_per_rank=2,
+        microbatches=2,
+        fsdp_reshard_after_forward="always",
+    ),
     dict(pp=1, dp_shard=4, schedule="GPipe", microbatches=2, fsdp_reshard_after_forward=2),
     dict(pp=1, dp_replicate=2, dp_shard=2, schedule="1F1B", microbatches=2),
 ]
@@ -88,8 +94,10 @@ def test_parity_pp2_dp2_every_schedule_class_and_policy(world):
 
 def test_parity_bf16_mixed_precision(world):
     # FSDP over dp = 2, and over a one-rank dp mesh next to TP (bf16 alone switches FSDP on for its casts).
-    configs = [dict(pp=2, dp_shard=2, schedule="1F1B", microbatches=2, mixed_precision="bf16"),
-               dict(pp=2, tp=2, schedule="Interleaved1F1B", stages_per_rank=2, microbatches=2, mixed_precision="bf16")]
+    configs = [
+        dict(pp=2, dp_shard=2, schedule="1F1B", microbatches=2, mixed_precision="bf16"),
+        dict(pp=2, tp=2, schedule="Interleaved1F1B", stages_per_rank=2, microbatches=2, mixed_precision="bf16"),
+    ]
     results = world(4).run(parity_case, configs)
     _assert_all(results, tol=5e-2)
     # bf16 really ran: fp32 parity is ~1e-7, bf16 compute is off by far more.
@@ -97,14 +105,21 @@ def test_parity_bf16_mixed_precision(world):
 
 
 def test_parity_activation_checkpoint_and_compile(world):
-    configs = [dict(pp=2, dp_shard=2, schedule="1F1B", microbatches=2, activation_checkpoint="full",
-                    compile=True)]
+    configs = [dict(pp=2, dp_shard=2, schedule="1F1B", microbatches=2, activation_checkpoint="full", compile=True)]
     # aot_eager: inductor builds here but takes minutes per block on 2 shared cores; the product default stays.
     results = world(4).run(parity_case, configs, ARGS2, backend="aot_eager")
     _assert_all(results, tol=1e-5)
     assert all(r[0]["graphs"] > 0 for r in results), "torch.compile must have captured the blocks"
-    selective = [dict(pp=2, dp_shard=2, schedule="ZBVZeroBubble", stages_per_rank=2, microbatches=4,
-                      activation_checkpoint="selective")]
+    selective = [
+        dict(
+            pp=2,
+            dp_shard=2,
+            schedule="ZBVZeroBubble",
+            stages_per_rank=2,
+            microbatches=4,
+            activation_checkpoint="selective",
+        )
+    ]
     _assert_all(world(4).run(parity_case, selective), tol=1e-5)
 
 
@@ -131,8 +146,11 @@ def clip_case() -> dict:
     norm = clip_grad_norm_(parts, MAX_NORM, mesh).item()
     after = total_grad_norm(parts, mesh).item()
     scale = MAX_NORM / (ref_norm + 1e-6)
-    err = max(pu.rel_err(pu.full_tensor(p.grad), ref["grads"][k] * scale)
-              for part in parts for k, p in part.named_parameters())
+    err = max(
+        pu.rel_err(pu.full_tensor(p.grad), ref["grads"][k] * scale)
+        for part in parts
+        for k, p in part.named_parameters()
+    )
     inf = total_grad_norm(parts, mesh, norm_type=float("inf")).item()
     ref_inf = max(g.abs().max().item() for g in ref["grads"].values()) * scale
     return {"norm": norm, "ref_norm": ref_norm, "after": after, "grad_err": err, "inf": inf, "ref_inf": ref_inf}
@@ -147,6 +165,7 @@ def test_clip_grad_norm_scales_every_shard(world):
 
 
 # --- the communication ledger ----------------------------------------------------------------------
+
 
 def ledger_basics_case() -> dict:
     """The ledger sees collectives issued from autograd backward, DTensor's functional collectives, and p2p."""
@@ -174,14 +193,18 @@ def ledger_basics_case() -> dict:
         distribute_tensor(torch.arange(4.0 * world), mesh, [Shard(0)], src_data_rank=None).full_tensor()
         led.next_step()
         send, recv = torch.full((3,), float(rank)), torch.empty(3)
-        reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, (rank + 1) % world),
-                                       dist.P2POp(dist.irecv, recv, (rank - 1) % world)])
+        reqs = dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend, send, (rank + 1) % world), dist.P2POp(dist.irecv, recv, (rank - 1) % world)]
+        )
         for req in reqs:
             req.wait()
-    return {"steps": [led.counts(s) for s in range(3)], "bytes": [led.bytes(s) for s in range(3)],
-            "sizes": sorted({e.group_size for e in led.events}),
-            "dtensor_group_ok": [e.group for e in led.events if e.step == 1] == [mesh.get_group().group_name],
-            "recv": recv.tolist()}
+    return {
+        "steps": [led.counts(s) for s in range(3)],
+        "bytes": [led.bytes(s) for s in range(3)],
+        "sizes": sorted({e.group_size for e in led.events}),
+        "dtensor_group_ok": [e.group for e in led.events if e.step == 1] == [mesh.get_group().group_name],
+        "recv": recv.tolist(),
+    }
 
 
 def test_ledger_sees_backward_dtensor_and_p2p(world):
@@ -204,8 +227,9 @@ def ledger_case(kw: dict, args=pu.TINY, steps: int = 2, gather_fix: bool = True)
     fix = pipeline._gather_params_once
     pipeline._gather_params_once = fix if gather_fix else (lambda schedule: None)
     try:
-        pipe = pu.pp_tp.build_pipeline(pu.make_model(args, device="meta"), mesh, pcfg,
-                                       state_dict=pu.reference_state(args))
+        pipe = pu.pp_tp.build_pipeline(
+            pu.make_model(args, device="meta"), mesh, pcfg, state_dict=pu.reference_state(args)
+        )
         ids, labels = pu.batch(args, 2 * pcfg.microbatches, 12)  # this DP rank's batch: microbatches of 2
         with CommLedger() as led:
             for _ in range(steps):
@@ -223,8 +247,9 @@ def ledger_case(kw: dict, args=pu.TINY, steps: int = 2, gather_fix: bool = True)
         "fsdp_bytes": [led.bytes(s, group=dp) for s in range(steps)],
         "pp": led.counts(-1, group=mesh.get_group("pp")),
         # HSDP's gradient all-reduces (the loss's scalar all-reduces are 8 bytes)
-        "replicate_grad_all_reduces": sum(e.group == replicate and e.kind == "all_reduce" and e.nbytes > 8
-                                          for e in led.events if e.step == steps - 1),
+        "replicate_grad_all_reduces": sum(
+            e.group == replicate and e.kind == "all_reduce" and e.nbytes > 8 for e in led.events if e.step == steps - 1
+        ),
         "units": sum(len(p.blocks()) + (p.is_first or p.is_last) for p in pipe.model_parts),
         "param_bytes": sum(p.numel() * 4 for part in pipe.model_parts for p in part.parameters()),
     }
@@ -242,9 +267,15 @@ LEDGER = [  # (schedule, stages_per_rank, args, microbatches): every multi-stage
 
 
 def ledger_matrix_case() -> list[tuple[str, int, dict]]:
-    return [(f"{s} stages_per_rank={spr} microbatches={m}", m,
-             ledger_case(dict(pp=2, dp_shard=2, schedule=s, stages_per_rank=spr, microbatches=m), args))
-            for s, spr, args, ms in LEDGER for m in ms]
+    return [
+        (
+            f"{s} stages_per_rank={spr} microbatches={m}",
+            m,
+            ledger_case(dict(pp=2, dp_shard=2, schedule=s, stages_per_rank=spr, microbatches=m), args),
+        )
+        for s, spr, args, ms in LEDGER
+        for m in ms
+    ]
 
 
 def test_ledger_one_all_gather_and_reduce_scatter_per_unit_per_step(world):
@@ -264,10 +295,12 @@ def ledger_controls_case() -> dict:
     With bf16 the all-gather moves bf16 parameters and the reduce-scatter fp32 gradients."""
     four = dict(pp=2, dp_shard=2, schedule="Interleaved1F1B", stages_per_rank=4, microbatches=8)
     always = dict(pp=2, dp_shard=2, schedule="1F1B", fsdp_reshard_after_forward="always")
-    return {"torch_placement": ledger_case(four, ARGS8, gather_fix=False),
-            "always4": ledger_case(dict(always, microbatches=4)),
-            "always8": ledger_case(dict(always, microbatches=8)),
-            "bf16": ledger_case(dict(pp=2, dp_shard=2, schedule="1F1B", microbatches=4, mixed_precision="bf16"))}
+    return {
+        "torch_placement": ledger_case(four, ARGS8, gather_fix=False),
+        "always4": ledger_case(dict(always, microbatches=4)),
+        "always8": ledger_case(dict(always, microbatches=8)),
+        "bf16": ledger_case(dict(pp=2, dp_shard=2, schedule="1F1B", microbatches=4, mixed_precision="bf16")),
+    }
 
 
 def test_ledger_controls_detect_repeated_all_gathers(world):

@@ -7,10 +7,11 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from pp_tp.models.llama import ModelArgs, Transformer, apply_rope
+from pp_tp.models.reference.model import ModelArgs, Transformer, apply_rope
 
-ARGS = ModelArgs(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=32,
-                 qk_norm=True, attn_bias=True)
+ARGS = ModelArgs(
+    vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=32, qk_norm=True, attn_bias=True
+)
 
 
 def _model(args: ModelArgs = ARGS, seed: int = 0) -> Transformer:
@@ -53,7 +54,7 @@ def test_init_depends_only_on_seed_and_name():
     pb = dict(b.named_parameters())
     for name, p in a.named_parameters():
         if name.endswith(("wo.weight", "w2.weight")):  # std scales with depth: same draw, other scale
-            torch.testing.assert_close(p * (2 ** 0.5), pb[name] * 2, rtol=1e-6, atol=0)
+            torch.testing.assert_close(p * (2**0.5), pb[name] * 2, rtol=1e-6, atol=0)
         else:
             torch.testing.assert_close(p, pb[name], rtol=0, atol=0)
     c = _model(seed=4)

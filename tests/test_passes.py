@@ -20,12 +20,14 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from pp_tp._torch import is_compiled
 from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
+from pp_tp.models.reference import REFERENCE
 from pp_tp.parallel import apply, float8
 from pp_tp.parallel.activation_checkpoint import apply_activation_checkpoint, is_checkpointed
-from pp_tp.parallel.compile import apply_compile, is_compiled
-from pp_tp.stages.layouts import REFERENCE, layout_for
+from pp_tp.parallel.compile import apply_compile
+from pp_tp.stages.layouts import layout_for
 from pp_tp.stages.plan import plan_stages
 from pp_tp.stages.stage_module import StageModule
 
@@ -62,6 +64,7 @@ def _twin_models(args=pu.TINY) -> tuple[nn.Module, nn.Module]:
 
 # --- activation checkpointing ----------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("mode, attn_runs, ffn_runs", [("none", 1, 1), ("full", 2, 2), ("selective", 2, 1)])
 def test_activation_checkpoint_recomputes_with_same_names_and_grads(mode, attn_runs, ffn_runs):
     ref_model, model = _twin_models()
@@ -96,6 +99,7 @@ def test_selective_checkpoint_without_attention_module_is_refused():
 
 # --- compile ---------------------------------------------------------------------------------------
 
+
 def test_compile_is_per_block_and_keeps_names():
     stage, pcfg = whole_stage(pu.make_model(device="meta"), compile=True)
     names = [n for n, _ in stage.named_parameters()]
@@ -106,6 +110,7 @@ def test_compile_is_per_block_and_keeps_names():
 
 
 # --- float8 ----------------------------------------------------------------------------------------
+
 
 def test_float8_filter_dims_divisible_by_16_never_the_head():
     stage, _ = whole_stage(pu.make_model(device="meta"))
@@ -149,8 +154,9 @@ def test_float8_is_refused_where_it_cannot_run(monkeypatch):
         with pytest.raises(ConfigError, match=r"^parallel\.float8 = true needs torchao[^\n]*$"):
             float8.check_float8(pcfg, "cpu")
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "torchao"
-                        else real_find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "torchao" else real_find_spec(name, *a)
+    )
     with pytest.raises(ConfigError, match=r"^parallel\.float8 = true needs an NVIDIA GPU[^\n]*a CPU"):
         float8.check_float8(pcfg, "cpu")
 
@@ -164,16 +170,22 @@ def build_refuses_float8_case() -> str:
     return "built"
 
 
-@pytest.mark.skipif(torch.cuda.is_available() and importlib.util.find_spec("torchao") is not None,
-                    reason="float8 can run here")
+@pytest.mark.skipif(
+    torch.cuda.is_available() and importlib.util.find_spec("torchao") is not None, reason="float8 can run here"
+)
 def test_build_pipeline_refuses_float8_on_this_machine(world):
     for message in world(4).run(build_refuses_float8_case):
         assert message.startswith("parallel.float8 = true needs"), message
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
-                         and importlib.util.find_spec("torchao") is not None),
-                    reason="GPU-only: needs torchao and an NVIDIA GPU of compute capability >= 8.9")
+@pytest.mark.skipif(
+    not (
+        torch.cuda.is_available()
+        and torch.cuda.get_device_capability() >= (8, 9)
+        and importlib.util.find_spec("torchao") is not None
+    ),
+    reason="GPU-only: needs torchao and an NVIDIA GPU of compute capability >= 8.9",
+)
 def test_float8_real_torchao_conversion_on_gpu():
     ref_model, model = _twin_models(replace(pu.TINY, dim=64, n_heads=4, n_kv_heads=4, ffn_dim=128))
     ref, _ = whole_stage(ref_model.cuda().bfloat16())
@@ -187,18 +199,23 @@ def test_float8_real_torchao_conversion_on_gpu():
 
 # --- the order of the passes -----------------------------------------------------------------------
 
+
 def _snapshot(stage: StageModule) -> dict:
     block = stage.blocks()[0]
-    return {"tp_sharded": isinstance(block.attention.wq.weight, DTensor),
-            "float8": sum(isinstance(m, FakeFloat8Linear) for m in block.modules()),
-            "checkpointed": is_checkpointed(block), "compiled": is_compiled(block),
-            "fsdp": isinstance(block, FSDPModule) and isinstance(stage, FSDPModule)}
+    return {
+        "tp_sharded": isinstance(block.attention.wq.weight, DTensor),
+        "float8": sum(isinstance(m, FakeFloat8Linear) for m in block.modules()),
+        "checkpointed": is_checkpointed(block),
+        "compiled": is_compiled(block),
+        "fsdp": isinstance(block, FSDPModule) and isinstance(stage, FSDPModule),
+    }
 
 
 def pass_order_case() -> dict:
     """Runs parallelize_stage with every pass on (pp1 x tp2 x dp2), recording what each pass finds on entry."""
-    pcfg = pu.pcfg_of(tp=2, dp_shard=2, schedule="1F1B", microbatches=2, float8=True, activation_checkpoint="full",
-                      compile=True)
+    pcfg = pu.pcfg_of(
+        tp=2, dp_shard=2, schedule="1F1B", microbatches=2, float8=True, activation_checkpoint="full", compile=True
+    )
     model = pu.make_model(device="meta")
     stage = StageModule(model, REFERENCE, plan_stages(model, REFERENCE, pcfg).stages[0])
     seen: list[tuple[str, dict]] = []
@@ -208,6 +225,7 @@ def pass_order_case() -> dict:
         def run(stage, mesh, pcfg):
             seen.append((name, _snapshot(stage)))
             return fn(stage, mesh, pcfg)
+
         return run
 
     def converter(pcfg):
@@ -215,6 +233,7 @@ def pass_order_case() -> dict:
             w = mod.weight
             converted.append((type(w).__name__, tuple(w.to_local().shape)))
             return FakeFloat8Linear.from_float(mod)
+
         return convert
 
     passes, conv = apply.PASSES, float8.CONVERTER
@@ -224,8 +243,13 @@ def pass_order_case() -> dict:
         changed = apply.parallelize_stage(stage, pu.mesh_for(pcfg), pcfg)
     finally:
         apply.PASSES, float8.CONVERTER = passes, conv
-    return {"seen": seen, "after": _snapshot(stage), "changed": changed, "converted": converted,
-            "fqns": [fqn for fqn, m in stage.named_modules() if isinstance(m, FakeFloat8Linear)]}
+    return {
+        "seen": seen,
+        "after": _snapshot(stage),
+        "changed": changed,
+        "converted": converted,
+        "fqns": [fqn for fqn, m in stage.named_modules() if isinstance(m, FakeFloat8Linear)],
+    }
 
 
 ORDER = ["tp", "float8", "activation_checkpoint", "compile", "fsdp"]
@@ -252,16 +276,17 @@ def test_passes_run_in_order_and_each_sees_the_previous(world):
 
 def float8_tp_parity_case() -> list[dict]:
     """A full build with the fake float8 converter on TP-sharded, checkpointed, FSDP-wrapped stages."""
-    from pp_tp import build
+    from pp_tp import preflight
 
-    check, conv = build.check_float8, float8.CONVERTER
-    build.check_float8, float8.CONVERTER = (lambda pcfg, device_type: None), fake_converter
+    check, conv = preflight.check_float8, float8.CONVERTER
+    preflight.check_float8, float8.CONVERTER = (lambda pcfg, device_type: None), fake_converter
     try:
-        pcfg = pu.pcfg_of(tp=2, dp_shard=2, schedule="1F1B", microbatches=2, float8=True,
-                          activation_checkpoint="selective")
+        pcfg = pu.pcfg_of(
+            tp=2, dp_shard=2, schedule="1F1B", microbatches=2, float8=True, activation_checkpoint="selective"
+        )
         return pu.compare(pcfg, steps=3)
     finally:
-        build.check_float8, float8.CONVERTER = check, conv
+        preflight.check_float8, float8.CONVERTER = check, conv
 
 
 def test_float8_swap_keeps_tp_hooks_in_a_full_build(world):

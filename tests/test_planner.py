@@ -70,8 +70,16 @@ seq_len = 8192
 """
 
 # Weights the reference TP plan shards over tp; everything else is replicated on TP ranks.
-TP_SHARDED = ("wq.weight", "wk.weight", "wv.weight", "wo.weight", "w1.weight", "w2.weight", "w3.weight",
-              "output.weight")
+TP_SHARDED = (
+    "wq.weight",
+    "wk.weight",
+    "wv.weight",
+    "wo.weight",
+    "w1.weight",
+    "w2.weight",
+    "w3.weight",
+    "output.weight",
+)
 
 
 def job(tmp_path, text: str, world: int, **fmt):
@@ -152,8 +160,9 @@ def test_405b_like_job_on_1024_ranks(tmp_path):
 
 def run_plan(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
-    return subprocess.run([sys.executable, "-m", "pp_tp.cli", "plan", *args], capture_output=True, text=True,
-                          env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "pp_tp.cli", "plan", *args], capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 def test_cli_prints_stages_mesh_memory_and_schedules(tmp_path):

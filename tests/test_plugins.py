@@ -51,8 +51,9 @@ def installed_plugin(tmp_path_factory):
     src = tmp_path_factory.mktemp("plugin") / "pkg"
     shutil.copytree(PLUGIN_PKG, src)  # the build leaves build/ and *.egg-info beside the sources
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run(pip + ["install", "--no-deps", "--no-build-isolation", str(src)], check=True, timeout=300,
-                   capture_output=True)
+    subprocess.run(
+        pip + ["install", "--no-deps", "--no-build-isolation", str(src)], check=True, timeout=300, capture_output=True
+    )
     yield
     subprocess.run(pip + ["uninstall", "-y", "pp_tp_testplugin"], check=True, timeout=300, capture_output=True)
 
@@ -60,8 +61,14 @@ def installed_plugin(tmp_path_factory):
 def test_layout_and_schedule_come_from_an_installed_package(installed_plugin):
     from harness import _free_port
 
-    result = subprocess.run([sys.executable, "-c", DISCOVER], capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "PORT": str(_free_port())}, cwd="/")
+    result = subprocess.run(
+        [sys.executable, "-c", DISCOVER],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PORT": str(_free_port())},
+        cwd="/",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.splitlines()[-1])
     assert out["layout"] == "tiny_mlp" and "PluginGPipe" in out["schedules"]
@@ -73,11 +80,20 @@ def test_layout_and_schedule_come_from_an_installed_package(installed_plugin):
 
 # --- torchtitan -------------------------------------------------------------------------------------------
 
+
 def _titan_sections(**parallelism) -> tuple[NS, NS]:
-    p = dict(pipeline_parallel_degree=2, tensor_parallel_degree=1, data_parallel_replicate_degree=1,
-             data_parallel_shard_degree=-1, pipeline_parallel_schedule="1F1B", pipeline_parallel_schedule_csv="",
-             pipeline_parallel_microbatch_size=1, context_parallel_degree=1, expert_parallel_degree=1,
-             fsdp_reshard_after_forward="default")
+    p = dict(
+        pipeline_parallel_degree=2,
+        tensor_parallel_degree=1,
+        data_parallel_replicate_degree=1,
+        data_parallel_shard_degree=-1,
+        pipeline_parallel_schedule="1F1B",
+        pipeline_parallel_schedule_csv="",
+        pipeline_parallel_microbatch_size=1,
+        context_parallel_degree=1,
+        expert_parallel_degree=1,
+        fsdp_reshard_after_forward="default",
+    )
     p.update(parallelism)
     training = NS(local_batch_size=4, global_batch_size=-1, seq_len=16, seed=3, mixed_precision_param="float32")
     return NS(**p), training
@@ -86,22 +102,32 @@ def _titan_sections(**parallelism) -> tuple[NS, NS]:
 def titan_trainer_case(style: str) -> dict:
     """What torchtitan's Trainer does with a TrainSpec's pipelining_fn: build, to_empty + init_weights, step."""
     import torch.nn.functional as F
-
     from parity_utils import TINY, batch
+
     from pp_tp.integrations.torchtitan import pipelining_fn
-    from pp_tp.models.llama import Transformer
+    from pp_tp.models.reference.model import Transformer
 
     parallelism, training = _titan_sections()
     with torch.device("meta"):
         model = Transformer(TINY)
     if style == "positional":  # torchtitan <= 0.2: (model, parallel_dims, job_config, device, model_args, ...)
-        schedule, parts, first, last = pipelining_fn(model, None, NS(parallelism=parallelism, training=training),
-                                                     torch.device("cpu"), TINY, None, None)
+        schedule, parts, first, last = pipelining_fn(
+            model, None, NS(parallelism=parallelism, training=training), torch.device("cpu"), TINY, None, None
+        )
     else:  # newer torchtitan passes its config sections by keyword
         schedule, parts, first, last = pipelining_fn(
-            model, parallel_dims=None, training=training, parallelism=parallelism, compile_config=None,
-            ac_config=None, dump_folder="", device=torch.device("cpu"), model_config=TINY, parallelize_fn=None,
-            loss_fn=None)
+            model,
+            parallel_dims=None,
+            training=training,
+            parallelism=parallelism,
+            compile_config=None,
+            ac_config=None,
+            dump_folder="",
+            device=torch.device("cpu"),
+            model_config=TINY,
+            parallelize_fn=None,
+            loss_fn=None,
+        )
     for m in parts:
         m.to_empty(device="cpu")
         with torch.no_grad():
@@ -146,11 +172,18 @@ def test_torchtitan_trainer_drives_our_pipeline(world, style):
     assert r1["got"][1] < r1["got"][0]
 
 
-@pytest.mark.parametrize("parallelism, training, fragment", [
-    ({"context_parallel_degree": 2}, {}, "parallelism.context_parallel_degree = 2"),
-    ({}, {"global_batch_size": 16}, "gradient accumulation"),
-    ({"pipeline_parallel_microbatch_size": 3}, {}, "not divisible by parallelism.pipeline_parallel_microbatch_size"),
-])
+@pytest.mark.parametrize(
+    "parallelism, training, fragment",
+    [
+        ({"context_parallel_degree": 2}, {}, "parallelism.context_parallel_degree = 2"),
+        ({}, {"global_batch_size": 16}, "gradient accumulation"),
+        (
+            {"pipeline_parallel_microbatch_size": 3},
+            {},
+            "not divisible by parallelism.pipeline_parallel_microbatch_size",
+        ),
+    ],
+)
 def test_torchtitan_config_we_cannot_honour_is_refused(monkeypatch, parallelism, training, fragment):
     monkeypatch.setenv("WORLD_SIZE", "2")
     p, t = _titan_sections(**parallelism)
@@ -162,6 +195,5 @@ def test_torchtitan_config_we_cannot_honour_is_refused(monkeypatch, parallelism,
 
 def test_torchtitan_schedule_maps_to_our_parallel_config(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "8")
-    pcfg = parallel_config(*_titan_sections(pipeline_parallel_schedule="Interleaved1F1B",
-                                            tensor_parallel_degree=2))
+    pcfg = parallel_config(*_titan_sections(pipeline_parallel_schedule="Interleaved1F1B", tensor_parallel_degree=2))
     assert (pcfg.pp, pcfg.tp, pcfg.dp_shard, pcfg.stages_per_rank, pcfg.microbatches) == (2, 2, 2, 2, 4)

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import parity_utils as pu
 import pytest
 import torch
 
-import parity_utils as pu
 from pp_tp.errors import ConfigError
 from pp_tp.schedules.registry import (
     ScheduleSpec,
@@ -32,19 +32,26 @@ CSV_1F1B_PP2 = "0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1\n"
 
 # --- registry ------------------------------------------------------------------------------------
 
+
 def test_every_torch_schedule_is_registered():
     assert set(SCHEDULES) <= set(schedule_names())
 
 
-@pytest.mark.parametrize("args, message", [
-    ((2, 1, 4, "ZBVZeroBubble"), "stages_per_rank = 1: schedule ZBVZeroBubble needs exactly 2"),
-    ((2, 2, 4, "1F1B"), "stages_per_rank = 2: schedule 1F1B needs exactly 1"),
-    ((4, 1, 2, "1F1B"), "microbatches = 2: schedule 1F1B needs microbatches >= number of stages (4)"),
-    ((2, 2, 3, "DualPipeV"), "microbatches = 3: schedule DualPipeV needs microbatches >= number of stages (4)"),
-    ((2, 2, 5, "Interleaved1F1B"), "microbatches = 5: schedule Interleaved1F1B needs microbatches to be a multiple"),
-    ((2, 1, 2, "1f1b"), "unknown (did you mean '1F1B'?)"),
-    ((2, 1, 2, "missing.csv"), "file not found"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((2, 1, 4, "ZBVZeroBubble"), "stages_per_rank = 1: schedule ZBVZeroBubble needs exactly 2"),
+        ((2, 2, 4, "1F1B"), "stages_per_rank = 2: schedule 1F1B needs exactly 1"),
+        ((4, 1, 2, "1F1B"), "microbatches = 2: schedule 1F1B needs microbatches >= number of stages (4)"),
+        ((2, 2, 3, "DualPipeV"), "microbatches = 3: schedule DualPipeV needs microbatches >= number of stages (4)"),
+        (
+            (2, 2, 5, "Interleaved1F1B"),
+            "microbatches = 5: schedule Interleaved1F1B needs microbatches to be a multiple",
+        ),
+        ((2, 1, 2, "1f1b"), "unknown (did you mean '1F1B'?)"),
+        ((2, 1, 2, "missing.csv"), "file not found"),
+    ],
+)
 def test_bad_combinations_are_refused_with_one_line(args, message):
     with pytest.raises(ConfigError) as e:
         check_schedule(*args)
@@ -71,6 +78,7 @@ def test_a_new_schedule_registers_without_editing_pp_tp():
 
 # --- the parity matrix ---------------------------------------------------------------------------
 
+
 def _pcfg(pp: int, tp: int, dp: int, schedule: str):
     spr = 2 if schedule in MULTI else 1
     m = 2 * pp if schedule in MULTI else pp
@@ -83,8 +91,11 @@ def matrix_case(pp: int, tp: int, dp: int, schedule: str) -> dict:
 
 
 def _matrix_params():
-    return [pytest.param(layout, s, id=f"pp{layout[0]}-tp{layout[1]}-dp{layout[2]}-{s}")
-            for layout in LAYOUTS for s in SCHEDULES]
+    return [
+        pytest.param(layout, s, id=f"pp{layout[0]}-tp{layout[1]}-dp{layout[2]}-{s}")
+        for layout in LAYOUTS
+        for s in SCHEDULES
+    ]
 
 
 @pytest.mark.parametrize("layout, schedule", _matrix_params())
@@ -106,6 +117,7 @@ def test_csv_schedule_parity(world, tmp_path, dp):
 
 
 # --- the runner's contract -----------------------------------------------------------------------
+
 
 def runner_contract_case() -> dict:
     """Global loss on every rank; a new batch shape re-plans; a bad batch fails before any collective."""

@@ -5,15 +5,17 @@ from __future__ import annotations
 import itertools
 from dataclasses import replace
 
+import parity_utils as pu
 import pytest
 import torch
 
-import parity_utils as pu
-from pp_tp.config import ParallelConfig
+from pp_tp.config import ParallelConfig, resolve_parallel
 from pp_tp.errors import ConfigError
-from pp_tp.models.llama import ModelArgs, Transformer
+from pp_tp.models.hf import HF_LLAMA
+from pp_tp.models.reference import REFERENCE
+from pp_tp.models.reference.model import ModelArgs, Transformer
 from pp_tp.stages import cost
-from pp_tp.stages.layouts import HF_LLAMA, REFERENCE, layout_for
+from pp_tp.stages.layouts import layout_for
 from pp_tp.stages.plan import _minmax_partition, plan_stages
 from pp_tp.stages.stage_module import StageModule
 
@@ -25,10 +27,12 @@ def _meta(args: ModelArgs = pu.TINY, hf: bool = False):
 def _plan(args=pu.TINY, hf=False, **kw):
     model = _meta(args, hf)
     kw.setdefault("pp", 2)
-    return model, plan_stages(model, layout_for(model), ParallelConfig(**kw))
+    pcfg = resolve_parallel(ParallelConfig(**kw), world_size=kw["pp"])  # as build_pipeline does first
+    return model, plan_stages(model, layout_for(model), pcfg)
 
 
 # --- plans ---------------------------------------------------------------------------------------
+
 
 def test_even_split_uneven_layers_never_drops_or_duplicates():
     _, plan = _plan(replace(pu.TINY, n_layers=7), pp=3)
@@ -37,7 +41,7 @@ def test_even_split_uneven_layers_never_drops_or_duplicates():
 
 
 def test_more_stages_than_layers_is_an_error():
-    with pytest.raises(ConfigError, match="only 4 layers"):
+    with pytest.raises(ConfigError, match="model.n_layers = 4 is fewer than the 5 pipeline stages"):
         _plan(pp=5, schedule="GPipe")
 
 
@@ -80,8 +84,11 @@ def test_minmax_partition_is_optimal_by_brute_force():
             bounds = list(itertools.accumulate([0] + list(sz)))
             return max(sum(weights[a:b]) for a, b in zip(bounds, bounds[1:]))
 
-        best = min(worst(c) for cuts in itertools.combinations(range(1, len(weights)), k - 1)
-                   for c in [[b - a for a, b in zip((0,) + cuts, cuts + (len(weights),))]])
+        best = min(
+            worst(c)
+            for cuts in itertools.combinations(range(1, len(weights)), k - 1)
+            for c in [[b - a for a, b in zip((0,) + cuts, cuts + (len(weights),))]]
+        )
         assert worst(sizes) == pytest.approx(best)
 
 
@@ -96,8 +103,10 @@ def test_balanced_split_accounts_for_a_big_vocabulary_head():
     assert costs[1] == pytest.approx(expect_last)
     # moving one layer either way would not lower the most expensive stage
     for c0 in {max(counts[0] - 1, 0), min(counts[0] + 1, 8)} - {counts[0]}:
-        alt = max(cost.embed_flops(d) + c0 * cost.block_flops(d, d.max_seq_len),
-                  (8 - c0) * cost.block_flops(d, d.max_seq_len) + cost.head_flops(d))
+        alt = max(
+            cost.embed_flops(d) + c0 * cost.block_flops(d, d.max_seq_len),
+            (8 - c0) * cost.block_flops(d, d.max_seq_len) + cost.head_flops(d),
+        )
         assert max(costs) <= alt
 
 
@@ -117,6 +126,7 @@ def test_plan_table_lists_every_stage():
 
 
 # --- the stage module ----------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("hf", [False, True])
 def test_stage_state_dict_keys_partition_the_full_model(hf):

@@ -8,15 +8,16 @@ from collections import Counter
 
 import pytest
 import torch
+from parity_utils import TINY, assert_parity, batch, compare, make_model, mesh_for, pcfg_of
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import pp_tp
-from parity_utils import TINY, assert_parity, batch, compare, make_model, mesh_for, pcfg_of
 from pp_tp.errors import ConfigError
+from pp_tp.models.hf import HF_LLAMA
+from pp_tp.models.reference import REFERENCE
 from pp_tp.parallel.tensor_parallel import block_plan, check_tp_plan, verify
-from pp_tp.stages.layouts import HF_LLAMA, REFERENCE
 from pp_tp.stages.plan import plan_stages
 from pp_tp.stages.stage_module import StageModule
 
@@ -27,6 +28,7 @@ VOCAB_PAR = dict(embedding="vocab_parallel", loss_parallel=True)
 
 
 # --- declared plans and verify (single process, meta models) -----------------------------------------
+
 
 class _Block(nn.Module):
     _tp_plan = {"attn.*": "colwise", "out": "rowwise", "missing": "rowwise"}
@@ -86,8 +88,11 @@ def test_check_tp_plan_refuses_bad_declared_plans_before_building():
 
     odd = make_model(dataclasses.replace(TINY, ffn_dim=50), device="meta")  # ffn 50 splits by 2, not by 4
     check_tp_plan(odd, REFERENCE, pcfg_of(tp=2))
-    with pytest.raises(ConfigError, match=r"layers.0.feed_forward.w1.weight dim 0 = 50 is not divisible by "
-                                          r"parallel.tp = 4"):
+    with pytest.raises(
+        ConfigError,
+        match=r"layers.0.feed_forward.w1.weight dim 0 = 50 is not divisible by "
+        r"parallel.tp = 4",
+    ):
         check_tp_plan(odd, REFERENCE, pcfg_of(tp=4))
 
     model.layers["2"]._tp_plan = {k: v for k, v in REFERENCE.tp_plan.items() if k != "feed_forward.w3"}
@@ -112,6 +117,7 @@ def test_stage_outputs_must_be_plain_tensors():
 
 
 # --- multi-rank parity ---------------------------------------------------------------------------------
+
 
 def _parity_cases(cases: list[tuple]) -> list[dict]:
     """Each case: (model args, hf, ParallelConfig kwargs); 3 AdamW steps each."""
@@ -143,14 +149,18 @@ def test_tp4_and_pp2_tp2_parity(world):
         # Split backward (input/weight) of zero-bubble schedules through DTensor ops.
         (QKB, False, dict(pp=2, tp=2, microbatches=4, schedule="ZBVZeroBubble", stages_per_rank=2)),
         # Stage 0 is only the vocab-parallel embedding: its all-reduced output crosses the boundary.
-        (QKB, False, dict(pp=2, tp=2, microbatches=2, split="explicit", stage_fqns=embed_alone,
-                          embedding="vocab_parallel")),
+        (
+            QKB,
+            False,
+            dict(pp=2, tp=2, microbatches=2, split="explicit", stage_fqns=embed_alone, embedding="vocab_parallel"),
+        ),
         (HF_BIAS, True, dict(pp=2, tp=2, microbatches=2)),
     ]
     _assert_all(world(4).run(_parity_cases, cases), cases)
 
 
 # --- communication counts ------------------------------------------------------------------------------
+
 
 class _CollectiveLog(TorchDispatchMode):
     """Records DTensor's communication (functional collectives) as (phase, op name, input shape); phase is
@@ -178,8 +188,12 @@ def _count_collectives(hf: bool, microbatches: int, vocab_parallel: bool) -> dic
     pipe = pp_tp.build_pipeline(make_model(args, hf, device="meta"), mesh_for(pcfg), pcfg)
     with _CollectiveLog() as log:
         pipe.step(*batch(args, ROWS, SEQ))
-    norms = [p for part in pipe.model_parts for n, p in part.named_parameters() if n.endswith(("q_norm.weight",
-                                                                                               "k_norm.weight"))]
+    norms = [
+        p
+        for part in pipe.model_parts
+        for n, p in part.named_parameters()
+        if n.endswith(("q_norm.weight", "k_norm.weight"))
+    ]
     return {"calls": dict(log.calls), "norm_grad_placements": {str(p.grad.placements) for p in norms}}
 
 
@@ -215,6 +229,7 @@ def test_tp_all_reduces_two_forward_two_backward_per_block_and_microbatch(world)
 
 
 # --- shape checks before any collective -----------------------------------------------------------------
+
 
 def _shape_errors() -> list[str]:
     errors = []

@@ -11,12 +11,14 @@ import sys
 
 import pytest
 import torch
+from train_utils import CORPUS, REPO, job, to_toml, train_case
 
 from pp_tp.config import config_from_dict
 from pp_tp.data import ShardedBatches, SyntheticSource, TextSource, corpus_text, make_source
 from pp_tp.errors import ConfigError
 from pp_tp.trainer import lr_factor
-from train_utils import CORPUS, REPO, job, to_toml, train_case
+
+KILL_ENTRY = os.path.join(os.path.dirname(__file__), "kill_entry.py")
 
 
 def test_lr_warms_up_linearly_then_decays_by_cosine_to_min_ratio():
@@ -59,7 +61,7 @@ def test_dp_shards_see_each_sample_once_per_epoch_and_the_global_batch_is_layout
     per_rank = [_rows(h, steps) for h in halves]
     assert set(per_rank[0]).isdisjoint(per_rank[1])
     # dp=2 splits each global batch of the dp=1 run into its two halves, in order
-    assert [row for k in range(steps) for h in per_rank for row in h[4 * k:4 * k + 4]] == whole
+    assert [row for k in range(steps) for h in per_rank for row in h[4 * k : 4 * k + 4]] == whole
 
 
 def test_position_resumes_the_same_order_and_the_seed_changes_it(tmp_path):
@@ -80,10 +82,13 @@ def test_shipped_corpus_is_the_generator_output_and_synthetic_samples_are_englis
     assert len(text) == 201 and text[0].isupper() and ". " in text
 
 
-@pytest.mark.parametrize("sections, fragment", [
-    ({"model": {"vocab_size": 128, "dim": 32}}, "model.vocab_size = 128"),
-    ({"training": {"seq_len": 63}, "model": {"max_seq_len": 64}}, None),
-])
+@pytest.mark.parametrize(
+    "sections, fragment",
+    [
+        ({"model": {"vocab_size": 128, "dim": 32}}, "model.vocab_size = 128"),
+        ({"training": {"seq_len": 63}, "model": {"max_seq_len": 64}}, None),
+    ],
+)
 def test_source_checks_run_before_any_process_group(tmp_path, sections, fragment):
     short = tmp_path / "short.txt"
     short.write_text("x" * 40)
@@ -106,15 +111,37 @@ def test_pp_tp_train_runs_4_ranks_from_toml_and_learns(tmp_path):
     metrics = tmp_path / "m.jsonl"
     ckpt = tmp_path / "ckpt"
     result = subprocess.run(
-        [sys.executable, "-m", "pp_tp.cli", "train", "--config", "toml_configs/debug_cpu.toml", "--nproc", "4",
-         "training.steps=10", "training.warmup_steps=2", "training.log_every=3", f"training.metrics_file={metrics}",
-         f"checkpoint.folder={ckpt}", "checkpoint.interval=5"],
-        cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        [
+            sys.executable,
+            "-m",
+            "pp_tp.cli",
+            "train",
+            "--config",
+            "toml_configs/debug_cpu.toml",
+            "--nproc",
+            "4",
+            "training.steps=10",
+            "training.warmup_steps=2",
+            "training.log_every=3",
+            f"training.metrics_file={metrics}",
+            f"checkpoint.folder={ckpt}",
+            "checkpoint.interval=5",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = _last_per_step(str(metrics))
     assert sorted(rows) == [3, 6, 9, 10]  # log_every=3 and the last step
-    assert [line.split("|")[0].split()[1] for line in result.stdout.splitlines() if line.startswith("step")] \
-        == ["3", "6", "9", "10"]
+    assert [line.split("|")[0].split()[1] for line in result.stdout.splitlines() if line.startswith("step")] == [
+        "3",
+        "6",
+        "9",
+        "10",
+    ]
     assert 5.0 < rows[3]["loss"] < 5.6  # ln(256) = 5.55 at the start
     assert rows[10]["loss"] < rows[3]["loss"] - 0.8
     for r in rows.values():
@@ -133,9 +160,16 @@ def test_bad_config_fails_before_spawning_any_rank(monkeypatch, capsys):
 
 
 def _rank_env(rank: int, world: int, port: int) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "PP_TP_TEST"))}
-    return {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PP_TP_TEST_KILL": "1:3"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC")}
+    return {
+        **env,
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": "1",
+    }
 
 
 def test_a_dead_rank_is_named_by_the_survivors(tmp_path):
@@ -143,14 +177,25 @@ def test_a_dead_rank_is_named_by_the_survivors(tmp_path):
     with an error naming it, within the collective timeout, never hang."""
     from harness import _free_port
 
-    d = job(parallel={"pp": 3, "tp": 1, "microbatches": 3}, model={"n_layers": 3},
-            training={"batch_size": 6, "comm_timeout_s": 30})
+    d = job(
+        parallel={"pp": 3, "tp": 1, "microbatches": 3},
+        model={"n_layers": 3},
+        training={"batch_size": 6, "comm_timeout_s": 30},
+    )
     cfg = tmp_path / "job.toml"
     cfg.write_text(to_toml(d))
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "pp_tp.trainer", "--config", str(cfg)], cwd=REPO,
-                              env=_rank_env(r, 3, port), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(3)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, KILL_ENTRY, "1:3", "--config", str(cfg)],
+            cwd=REPO,
+            env=_rank_env(r, 3, port),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(3)
+    ]
     outs = [p.communicate(timeout=300) for p in procs]
     assert procs[1].returncode == 13
     for r in (0, 2):
@@ -165,10 +210,26 @@ def test_torchrun_max_restarts_resumes_from_the_last_checkpoint_with_the_same_lo
     d["training"]["metrics_file"] = str(tmp_path / "m.jsonl")
     cfg = tmp_path / "job.toml"
     cfg.write_text(to_toml(d))
-    env = {**os.environ, "PP_TP_TEST_KILL": "1:3", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                             "--max-restarts=1", "-m", "pp_tp.trainer", "--config", str(cfg)],
-                            cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "--max-restarts=1",
+            KILL_ENTRY,
+            "1:3",
+            "--config",
+            str(cfg),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resumed from" in result.stdout and "step-2 at step 2" in result.stdout
     rows = _last_per_step(d["training"]["metrics_file"])

@@ -12,12 +12,25 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # 6 steps of a 4-layer byte-level model on the shipped text; small enough for 2 shared cores.
 TINY_JOB = {
-    "model": {"vocab_size": 256, "dim": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64,
-              "max_seq_len": 64},
-    "parallel": {"pp": 2, "tp": 2, "dp_shard": 1, "schedule": "1F1B", "microbatches": 4,
-                 "mixed_precision": "fp32"},
-    "training": {"steps": 6, "batch_size": 16, "seq_len": 32, "lr": 3e-3, "warmup_steps": 2, "log_every": 1,
-                 "comm_timeout_s": 60},
+    "model": {
+        "vocab_size": 256,
+        "dim": 32,
+        "n_layers": 4,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "ffn_dim": 64,
+        "max_seq_len": 64,
+    },
+    "parallel": {"pp": 2, "tp": 2, "dp_shard": 1, "schedule": "1F1B", "microbatches": 4, "mixed_precision": "fp32"},
+    "training": {
+        "steps": 6,
+        "batch_size": 16,
+        "seq_len": 32,
+        "lr": 3e-3,
+        "warmup_steps": 2,
+        "log_every": 1,
+        "comm_timeout_s": 60,
+    },
     "data": {"source": "text", "path": CORPUS},
     "checkpoint": {"enable": False, "interval": 3, "keep": 2},
 }

@@ -26,7 +26,6 @@ from torch import nn
 from pp_tp.config import ParallelConfig, resolve_parallel
 from pp_tp.errors import ConfigError
 from pp_tp.schedules.pipeline import Pipeline
-from pp_tp.schedules.registry import csv_stage_to_rank, get_schedule_spec, is_csv_schedule, read_csv_schedule
 
 
 class PipelineSchedule:
@@ -35,8 +34,14 @@ class PipelineSchedule:
     def __init__(self, pipe: Pipeline, local_batch_size: int, seq_len: int):
         self.pipe, self.local_batch_size, self.seq_len = pipe, local_batch_size, seq_len
 
-    def step(self, *args: torch.Tensor, target: torch.Tensor | None = None, losses: list | None = None,
-             input_batch: torch.Tensor | None = None, **_: Any) -> None:
+    def step(
+        self,
+        *args: torch.Tensor,
+        target: torch.Tensor | None = None,
+        losses: list | None = None,
+        input_batch: torch.Tensor | None = None,
+        **_: Any,
+    ) -> None:
         # Ranks without the first stage may get no ids, and ranks without the last no labels: Pipeline.step
         # only needs their shape there (and labels' token count, which only the last stage's loss uses).
         ids = args[0] if args else input_batch
@@ -48,20 +53,13 @@ class PipelineSchedule:
             losses.append(loss)
 
 
-def _stages_per_rank(schedule: str, pp: int) -> int:
-    """As torchtitan infers it: a CSV's own stage count, a schedule's fixed count, else 2 for multi-stage ones."""
-    if is_csv_schedule(schedule):
-        return max(1, len(csv_stage_to_rank(read_csv_schedule(schedule))) // pp)
-    spec = get_schedule_spec(schedule)
-    return spec.stages_per_rank or (2 if spec.multi_stage else 1)
-
-
 def _seeded_init(part: nn.Module, model: nn.Module, seed: int):
     """The `init_weights(buffer_device=None)` torchtitan calls on a part after `to_empty()`."""
     from pp_tp.stages.build import fill_stage
 
     def init_weights(buffer_device: Any = None) -> None:
         fill_stage(part, model, seed, None)  # buffers are recomputed on the part's own device
+
     return init_weights
 
 
@@ -69,32 +67,51 @@ def parallel_config(parallelism: Any, training: Any) -> ParallelConfig:
     """Our `[parallel]` from torchtitan's `parallelism` and `training` sections; refuses what we cannot honour."""
     for key in ("context_parallel_degree", "expert_parallel_degree"):
         if getattr(parallelism, key, 1) > 1:
-            raise ConfigError(f"parallelism.{key} = {getattr(parallelism, key)}: not supported by pp_tp's "
-                              f"pipelining_fn; set it to 1")
+            raise ConfigError(
+                f"parallelism.{key} = {getattr(parallelism, key)}: not supported by pp_tp's pipelining_fn; set it to 1"
+            )
     mbs = parallelism.pipeline_parallel_microbatch_size
     if training.local_batch_size % mbs:
-        raise ConfigError(f"training.local_batch_size = {training.local_batch_size} is not divisible by "
-                          f"parallelism.pipeline_parallel_microbatch_size = {mbs}; make it a multiple")
+        raise ConfigError(
+            f"training.local_batch_size = {training.local_batch_size} is not divisible by "
+            f"parallelism.pipeline_parallel_microbatch_size = {mbs}; make it a multiple"
+        )
     schedule = parallelism.pipeline_parallel_schedule_csv or parallelism.pipeline_parallel_schedule
     pp = parallelism.pipeline_parallel_degree
-    pcfg = resolve_parallel(ParallelConfig(
-        pp=pp, tp=parallelism.tensor_parallel_degree,
-        dp_replicate=parallelism.data_parallel_replicate_degree, dp_shard=parallelism.data_parallel_shard_degree,
-        schedule=schedule, microbatches=training.local_batch_size // mbs,
-        stages_per_rank=_stages_per_rank(schedule, pp),
-        fsdp_reshard_after_forward=getattr(parallelism, "fsdp_reshard_after_forward", "default"),
-        mixed_precision="bf16" if training.mixed_precision_param == "bfloat16" else "fp32"))
+    pcfg = resolve_parallel(
+        ParallelConfig(
+            pp=pp,
+            tp=parallelism.tensor_parallel_degree,
+            dp_replicate=parallelism.data_parallel_replicate_degree,
+            dp_shard=parallelism.data_parallel_shard_degree,
+            schedule=schedule,
+            microbatches=training.local_batch_size // mbs,
+            fsdp_reshard_after_forward=getattr(parallelism, "fsdp_reshard_after_forward", "default"),
+            mixed_precision="bf16" if training.mixed_precision_param == "bfloat16" else "fp32",
+        )
+    )
     if training.global_batch_size > 0 and training.global_batch_size != training.local_batch_size * pcfg.dp:
-        raise ConfigError(f"training.global_batch_size = {training.global_batch_size}: gradient accumulation is "
-                          f"not supported by pp_tp's pipelining_fn; set it to -1 or local_batch_size * dp = "
-                          f"{training.local_batch_size * pcfg.dp}")
+        raise ConfigError(
+            f"training.global_batch_size = {training.global_batch_size}: gradient accumulation is "
+            f"not supported by pp_tp's pipelining_fn; set it to -1 or local_batch_size * dp = "
+            f"{training.local_batch_size * pcfg.dp}"
+        )
     return pcfg
 
 
-def pipelining_fn(model: nn.Module, parallel_dims: Any = None, job_config: Any = None, device: Any = None,
-                  model_args: Any = None, parallelize_fn: Any = None, loss_fn: Any = None, *,
-                  training: Any = None, parallelism: Any = None, **_: Any
-                  ) -> tuple[PipelineSchedule, list[nn.Module], bool, bool]:
+def pipelining_fn(
+    model: nn.Module,
+    parallel_dims: Any = None,
+    job_config: Any = None,
+    device: Any = None,
+    model_args: Any = None,
+    parallelize_fn: Any = None,
+    loss_fn: Any = None,
+    *,
+    training: Any = None,
+    parallelism: Any = None,
+    **_: Any,
+) -> tuple[PipelineSchedule, list[nn.Module], bool, bool]:
     """torchtitan's `pipelining_fn` contract, built by `pp_tp.build_pipeline` on a mesh of the same world.
 
     torchtitan then calls `to_empty()` and `init_weights(buffer_device=...)` on every part: each part's

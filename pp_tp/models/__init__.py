@@ -1,5 +1,6 @@
-"""Reference models."""
+"""Model families pp_tp knows: each registers its layout when imported."""
 
-from pp_tp.models.llama import ModelArgs, Transformer
+from pp_tp.models import hf, reference
+from pp_tp.models.reference import ModelArgs, Transformer
 
-__all__ = ["ModelArgs", "Transformer"]
+__all__ = ["ModelArgs", "Transformer", "hf", "reference"]

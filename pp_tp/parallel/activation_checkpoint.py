@@ -43,8 +43,10 @@ def _attention(block: nn.Module, name: str) -> nn.Module:
     try:
         return block.get_submodule(name)
     except AttributeError:
-        raise ConfigError(f"parallel.activation_checkpoint = \"selective\": the block has no attention module "
-                          f"{name!r}; set the model layout's `attention` name or use \"full\"") from None
+        raise ConfigError(
+            f'parallel.activation_checkpoint = "selective": the block has no attention module '
+            f'{name!r}; set the model layout\'s `attention` name or use "full"'
+        ) from None
 
 
 def apply_activation_checkpoint(stage: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig) -> bool:

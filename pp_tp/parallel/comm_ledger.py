@@ -42,24 +42,39 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from pp_tp._torch import TorchDispatchMode, process_group_type, resolve_process_group, tree_flatten
 
 # op name (overload packet, namespace dropped) -> ledger key
 _KINDS = {
     # torch.distributed (c10d) ops
-    "allgather_": "all_gather", "_allgather_base_": "all_gather", "allgather_coalesced_": "all_gather",
+    "allgather_": "all_gather",
+    "_allgather_base_": "all_gather",
+    "allgather_coalesced_": "all_gather",
     "allgather_into_tensor_coalesced_": "all_gather",
-    "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter",
+    "_reduce_scatter_base_": "reduce_scatter",
     "reduce_scatter_tensor_coalesced_": "reduce_scatter",
-    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce",
-    "broadcast_": "broadcast", "send": "send", "recv_": "recv", "recv_any_source_": "recv",
-    "alltoall_": "all_to_all", "alltoall_base_": "all_to_all", "gather_": "gather", "scatter_": "scatter",
-    "reduce_": "reduce", "barrier": "barrier",
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+    "broadcast_": "broadcast",
+    "send": "send",
+    "recv_": "recv",
+    "recv_any_source_": "recv",
+    "alltoall_": "all_to_all",
+    "alltoall_base_": "all_to_all",
+    "gather_": "gather",
+    "scatter_": "scatter",
+    "reduce_": "reduce",
+    "barrier": "barrier",
     # functional collectives (DTensor)
-    "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
-    "all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce", "broadcast": "broadcast",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "broadcast": "broadcast",
     "all_to_all_single": "all_to_all",
 }
 _NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd", "c10d_functional")
@@ -88,15 +103,13 @@ def _payload_bytes(values: Any) -> int:
 
 def _group_of(args: tuple[Any, ...]) -> tuple[str | None, int | None]:
     """(name, size) of the op's process group: c10d ops carry it boxed, functional collectives by name."""
-    from torch._C._distributed_c10d import ProcessGroup
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
+    ProcessGroup = process_group_type()
     for a in reversed(args):
         try:
             if isinstance(a, torch.ScriptObject):
                 pg = ProcessGroup.unbox(a)
             elif isinstance(a, str):
-                pg = _resolve_process_group(a)
+                pg = resolve_process_group(a)
             else:
                 continue
         except (RuntimeError, ValueError, KeyError):
@@ -129,9 +142,15 @@ class CommLedger(TorchDispatchMode):
         if packet is not None and ns in _NAMESPACES:
             kind = _KINDS.get(packet.__name__)
             if kind is not None:
-                self.events.append(CommEvent(self.step, kind, f"{ns}.{packet.__name__}",
-                                             _payload_bytes(list(args) + list(kwargs.values()) + [out]),
-                                             *_group_of(args)))
+                self.events.append(
+                    CommEvent(
+                        self.step,
+                        kind,
+                        f"{ns}.{packet.__name__}",
+                        _payload_bytes(list(args) + list(kwargs.values()) + [out]),
+                        *_group_of(args),
+                    )
+                )
         return out
 
     def _select(self, step: int | None, group: GroupLike) -> list[CommEvent]:

@@ -13,18 +13,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from pp_tp.config import ParallelConfig
 
-# The torch.compile backend. CPU tests set "aot_eager": inductor builds here but takes minutes per block.
-BACKEND = "inductor"
-
-
-def is_compiled(module: nn.Module) -> bool:
-    return getattr(module, "_compiled_call_impl", None) is not None
-
 
 def apply_compile(stage: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig) -> bool:
     """Compiles every block of the stage in place; True when it changed the stage."""
     if not pcfg.compile or not stage.blocks():
         return False
     for block in stage.blocks():
-        block.compile(backend=BACKEND)
+        block.compile(backend=pcfg.compile_backend)
     return True

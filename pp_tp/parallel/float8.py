@@ -25,8 +25,13 @@ from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
 from pp_tp.parallel.fsdp import uses_fsdp
 
-_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
-               "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
 
 
 def check_float8(pcfg: ParallelConfig, device_type: str) -> None:
@@ -34,12 +39,16 @@ def check_float8(pcfg: ParallelConfig, device_type: str) -> None:
     if not pcfg.float8:
         return
     if importlib.util.find_spec("torchao") is None:
-        raise ConfigError("parallel.float8 = true needs torchao, which is not installed; "
-                          "pip install 'pp_tp[float8]' or set parallel.float8 = false")
+        raise ConfigError(
+            "parallel.float8 = true needs torchao, which is not installed; "
+            "pip install 'pp_tp[float8]' or set parallel.float8 = false"
+        )
     if device_type != "cuda" or torch.cuda.get_device_capability() < (8, 9):
         where = "a CPU" if device_type != "cuda" else f"compute capability {torch.cuda.get_device_capability()}"
-        raise ConfigError(f"parallel.float8 = true needs an NVIDIA GPU of compute capability >= 8.9 (Ada, Hopper "
-                          f"or newer) but this job runs on {where}; set parallel.float8 = false")
+        raise ConfigError(
+            f"parallel.float8 = true needs an NVIDIA GPU of compute capability >= 8.9 (Ada, Hopper "
+            f"or newer) but this job runs on {where}; set parallel.float8 = false"
+        )
 
 
 def float8_all_gather(pcfg: ParallelConfig) -> bool:
@@ -66,8 +75,11 @@ def _local_shape(weight: torch.Tensor) -> tuple[int, ...]:
 def float8_fqns(stage: nn.Module) -> list[str]:
     """The stage's Linear layers float8 converts: local dims divisible by 16, not the output head."""
     head = stage.layout.head
-    return [fqn for fqn, m in stage.named_modules()
-            if isinstance(m, nn.Linear) and fqn != head and all(d % 16 == 0 for d in _local_shape(m.weight))]
+    return [
+        fqn
+        for fqn, m in stage.named_modules()
+        if isinstance(m, nn.Linear) and fqn != head and all(d % 16 == 0 for d in _local_shape(m.weight))
+    ]
 
 
 def _swap(stage: nn.Module, fqn: str, new: nn.Module) -> None:

@@ -64,8 +64,11 @@ def apply_fsdp(stage: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig) -> bool
     """`fully_shard` on each block (StageModule.blocks()), then on the stage (root: embed, norm, head)."""
     if not uses_fsdp(pcfg):
         return False
-    kwargs = {"mesh": dp_mesh(mesh, pcfg), "reshard_after_forward": reshard_after_forward(pcfg),
-              "mp_policy": mixed_precision_policy(pcfg)}
+    kwargs = {
+        "mesh": dp_mesh(mesh, pcfg),
+        "reshard_after_forward": reshard_after_forward(pcfg),
+        "mp_policy": mixed_precision_policy(pcfg),
+    }
     for block in stage.blocks():
         fully_shard(block, **kwargs)
     fully_shard(stage, **kwargs)

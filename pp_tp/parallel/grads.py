@@ -53,8 +53,9 @@ def total_grad_norm(model_parts: Iterable[nn.Module], mesh: DeviceMesh, norm_typ
 
 
 @torch.no_grad()
-def clip_grad_norm_(model_parts: Iterable[nn.Module], max_norm: float, mesh: DeviceMesh,
-                    norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(
+    model_parts: Iterable[nn.Module], max_norm: float, mesh: DeviceMesh, norm_type: float = 2.0
+) -> torch.Tensor:
     """Scales all local gradients so the whole model's gradient norm is at most `max_norm`; returns that norm.
 
     Every rank of the mesh must call it (it all-reduces over pp and gathers DTensor norms over tp/dp).

@@ -11,10 +11,12 @@ one name component, as in ``parallelize_module``) to style names in STYLES. A bl
 
 from __future__ import annotations
 
+import inspect
 import warnings
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from fnmatch import fnmatch
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -40,21 +42,25 @@ class ReplicateInput(ParallelStyle):
     The column-parallel layers reading it return Partial input gradients that autograd adds up locally;
     leaving the DTensor in backward all-reduces the sum once. Everything in the module that reads the
     hidden state must therefore be a TP-styled layer. The hidden state is the first positional argument,
-    else the ``hidden_states`` keyword (how HF decoder layers call attention). Not PrepareModuleInput:
-    that needs the module's exact positional arity, which differs between (x, rope), (x,) and keyword calls.
+    or, when the caller passes everything by keyword, the keyword named like the forward's first parameter.
+    Not PrepareModuleInput: that needs the module's exact positional arity, which differs between models.
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        first = next(iter(inspect.signature(module.forward).parameters), None)
+
         def replicate(x: torch.Tensor) -> DTensor:
             return DTensor.from_local(x, device_mesh, (Replicate(),), run_check=False)
 
         def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
             if args:
                 return (replicate(args[0]), *args[1:]), kwargs
-            if "hidden_states" not in kwargs:
-                raise TypeError(f"{type(mod).__name__} (TP style 'replicate_input') got no positional argument "
-                                "and no hidden_states keyword to replicate")
-            return args, {**kwargs, "hidden_states": replicate(kwargs["hidden_states"])}
+            if first not in kwargs:
+                raise TypeError(
+                    f"{type(mod).__name__} (TP style 'replicate_input') got no positional argument "
+                    f"and no {first!r} keyword to replicate"
+                )
+            return args, {**kwargs, first: replicate(kwargs[first])}
 
         module.register_forward_pre_hook(hook, with_kwargs=True)
         return module
@@ -88,6 +94,25 @@ _INPUT_STYLES = {"replicate_input"}
 _LINEAR_SHARDED_DIM = {"colwise": 0, "colwise_gather_output": 0, "rowwise": 1}
 
 
+def register_tp_style(
+    name: str,
+    factory: Callable[[], ParallelStyle | None],
+    *,
+    linear_sharded_dim: int | None = None,
+    input_only: bool = False,
+) -> None:
+    """Adds a style name plans may use: `factory()` returns a fresh torch ParallelStyle (None: leave whole).
+
+    `linear_sharded_dim`: the nn.Linear weight dim it splits (checked against parallel.tp before any
+    collective); `input_only`: it only prepares inputs, so the module's Linear layers need rules of their own.
+    """
+    STYLES[name] = factory
+    if linear_sharded_dim is not None:
+        _LINEAR_SHARDED_DIM[name] = linear_sharded_dim
+    if input_only:
+        _INPUT_STYLES.add(name)
+
+
 @dataclass
 class PlanReport:
     """What a plan does to a module: the FQN -> style it resolves to and what it got wrong."""
@@ -110,8 +135,9 @@ def _matches(rule: str, fqn: str) -> bool:
 def _check_styles(plan: Mapping[str, str]) -> None:
     for rule, style in plan.items():
         if style not in STYLES:
-            raise ConfigError(f"tensor-parallel plan rule {rule!r}: style {style!r} is unknown; "
-                              f"use one of {', '.join(STYLES)}")
+            raise ConfigError(
+                f"tensor-parallel plan rule {rule!r}: style {style!r} is unknown; use one of {', '.join(STYLES)}"
+            )
 
 
 def verify(module: nn.Module, plan: Mapping[str, str]) -> PlanReport:
@@ -125,8 +151,11 @@ def verify(module: nn.Module, plan: Mapping[str, str]) -> PlanReport:
         unmatched += [] if hits else [rule]
         resolved.update(dict.fromkeys(hits, style))
     covered = [c for c, style in resolved.items() if style not in _INPUT_STYLES]
-    unsharded = [n for n, m in module.named_modules() if isinstance(m, nn.Linear)
-                 and not any(n == c or n.startswith(c + ".") for c in covered)]
+    unsharded = [
+        n
+        for n, m in module.named_modules()
+        if isinstance(m, nn.Linear) and not any(n == c or n.startswith(c + ".") for c in covered)
+    ]
     return PlanReport(resolved, unmatched, unsharded)
 
 
@@ -153,8 +182,10 @@ def stage_plan(stage: StageModule, pcfg: ParallelConfig) -> dict[str, str]:
 
 def _refuse_unmatched(report: PlanReport, where: str) -> None:
     if report.unmatched_rules:
-        raise ConfigError(f"tensor-parallel plan rule {report.unmatched_rules[0]!r} matches no module of {where}; "
-                          "fix the rule in the block's _tp_plan or the model layout's tp_plan")
+        raise ConfigError(
+            f"tensor-parallel plan rule {report.unmatched_rules[0]!r} matches no module of {where}; "
+            "fix the rule in the block's _tp_plan or the model layout's tp_plan"
+        )
 
 
 def check_tp_plan(model: nn.Module, layout: ModelLayout, pcfg: ParallelConfig) -> None:
@@ -172,11 +203,16 @@ def check_tp_plan(model: nn.Module, layout: ModelLayout, pcfg: ParallelConfig) -
             module, dim = block.get_submodule(fqn), _LINEAR_SHARDED_DIM.get(style)
             size = module.weight.shape[dim] if isinstance(module, nn.Linear) and dim is not None else 0
             if size % pcfg.tp:
-                raise ConfigError(f"{layout.blocks}.{key}.{fqn}.weight dim {dim} = {size} is not divisible by "
-                                  f"parallel.tp = {pcfg.tp} ({style!r}); set parallel.tp to a divisor of {size}")
+                raise ConfigError(
+                    f"{layout.blocks}.{key}.{fqn}.weight dim {dim} = {size} is not divisible by "
+                    f"parallel.tp = {pcfg.tp} ({style!r}); set parallel.tp to a divisor of {size}"
+                )
     if unsharded:
-        warnings.warn(f"tensor parallel: Linear layers {sorted(unsharded)} match no TP plan rule and run "
-                      "unsharded on every TP rank; add them to the plan (\"replicate\" if intended)", stacklevel=2)
+        warnings.warn(
+            f"tensor parallel: Linear layers {sorted(unsharded)} match no TP plan rule and run "
+            'unsharded on every TP rank; add them to the plan ("replicate" if intended)',
+            stacklevel=2,
+        )
 
 
 def apply_tp(stage: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig) -> bool:

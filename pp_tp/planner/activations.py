@@ -80,8 +80,9 @@ class SavedActivations:
             del self._refs[key]
 
     def __enter__(self) -> Self:
-        self._handles = [m.register_forward_pre_hook(self._checkpoint_inputs) for m in self.module.modules()
-                         if is_checkpointed(m)]
+        self._handles = [
+            m.register_forward_pre_hook(self._checkpoint_inputs) for m in self.module.modules() if is_checkpointed(m)
+        ]
         self._saved_hooks.__enter__()
         return self
 
@@ -91,8 +92,9 @@ class SavedActivations:
             h.remove()
 
 
-def stage_activation_bytes(stage: StageModule, mesh: DeviceMesh, pcfg: ParallelConfig, microbatch: int,
-                           seq: int, dim: int) -> int:
+def stage_activation_bytes(
+    stage: StageModule, mesh: DeviceMesh, pcfg: ParallelConfig, microbatch: int, seq: int, dim: int
+) -> int:
     """Saved activations of one microbatch through `stage` (and its loss, on the last stage), on fake tensors."""
     act_dtype = torch.bfloat16 if pcfg.mixed_precision == "bf16" else torch.float32
     stage.to_empty(device="cpu")

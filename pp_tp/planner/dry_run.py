@@ -57,13 +57,23 @@ def plan_job(cfg: JobConfig, world_size: int) -> JobPlan:
         kinds: dict[tuple[bool, int, bool], StageCost] = {}
         for spec in plan.stages:
             if _kind(spec) not in kinds:
-                kinds[_kind(spec)] = stage_cost(StageModule(model, layout, spec), mesh, pcfg, microbatch,
-                                                cfg.training.seq_len, layout.dims(model).dim, fake)
-        ranks = [rank_memory(r, [s.index for s in plan.for_rank(r)], [kinds[_kind(s)] for s in plan.for_rank(r)],
-                             pcfg) for r in range(pcfg.pp)]
+                kinds[_kind(spec)] = stage_cost(
+                    StageModule(model, layout, spec),
+                    mesh,
+                    pcfg,
+                    microbatch,
+                    cfg.training.seq_len,
+                    layout.dims(model).dim,
+                    fake,
+                )
+        ranks = [
+            rank_memory(r, [s.index for s in plan.for_rank(r)], [kinds[_kind(s)] for s in plan.for_rank(r)], pcfg)
+            for r in range(pcfg.pp)
+        ]
     schedules = [schedule_estimate(name, pcfg, ranks) for name in candidate_schedules(pcfg)]
     configured = schedules[0]
     for r, peak in zip(ranks, configured.act_peak_bytes):
         r.act_peak_bytes = peak
-    return JobPlan(cfg, world_size, dict(zip(MESH_DIMS, shape)), microbatch, plan, ranks, schedules,
-                   time.perf_counter() - t0)
+    return JobPlan(
+        cfg, world_size, dict(zip(MESH_DIMS, shape)), microbatch, plan, ranks, schedules, time.perf_counter() - t0
+    )

@@ -46,6 +46,10 @@ def schedule_estimate(name: str, pcfg: ParallelConfig, ranks: list[RankMemory]) 
     actions = schedule_actions(name, pcfg.pp, pcfg.microbatches, pcfg.stages_per_rank)
     peaks = [peak_held_bytes(actions[r.pp_rank], r.act_bytes_per_microbatch) for r in ranks]
     per_mb = [sum(r.act_bytes_per_microbatch.values()) for r in ranks]
-    return ScheduleEstimate(name, theoretical_bubble(name, pcfg.pp, pcfg.microbatches, pcfg.stages_per_rank),
-                            max(bubble_fraction(simulate(actions))), peaks,
-                            [p / b if b else 0.0 for p, b in zip(peaks, per_mb)])
+    return ScheduleEstimate(
+        name,
+        theoretical_bubble(name, pcfg.pp, pcfg.microbatches, pcfg.stages_per_rank),
+        max(bubble_fraction(simulate(actions))),
+        peaks,
+        [p / b if b else 0.0 for p, b in zip(peaks, per_mb)],
+    )

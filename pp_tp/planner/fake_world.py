@@ -15,8 +15,10 @@ from pp_tp.errors import ConfigError
 def fake_world(world_size: int) -> Iterator[None]:
     """This process as rank 0 of a `world_size` world on torch's fake backend, for the `with` block."""
     if dist.is_initialized():
-        raise ConfigError("pp-tp plan: a process group already exists in this process; run the dry run in a "
-                          "process of its own (the `pp-tp plan` command does)")
+        raise ConfigError(
+            "pp-tp plan: a process group already exists in this process; run the dry run in a "
+            "process of its own (the `pp-tp plan` command does)"
+        )
     dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world_size)
     try:
         yield

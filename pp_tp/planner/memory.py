@@ -40,8 +40,14 @@ class RankMemory:
     @property
     def total_bytes(self) -> int:
         """Everything the rank holds at its peak, to compare against the device's memory."""
-        return (self.param_bytes + self.gathered_bytes + self.grad_bytes + self.grad_accum_bytes + self.optim_bytes
-                + self.act_peak_bytes)
+        return (
+            self.param_bytes
+            + self.gathered_bytes
+            + self.grad_bytes
+            + self.grad_accum_bytes
+            + self.optim_bytes
+            + self.act_peak_bytes
+        )
 
 
 @dataclass(frozen=True)
@@ -70,8 +76,15 @@ def _local_numel(p: torch.Tensor) -> int:
     return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
 
 
-def stage_cost(stage: StageModule, mesh: DeviceMesh, pcfg: ParallelConfig, microbatch: int, seq: int, dim: int,
-               fake: FakeTensorMode) -> StageCost:
+def stage_cost(
+    stage: StageModule,
+    mesh: DeviceMesh,
+    pcfg: ParallelConfig,
+    microbatch: int,
+    seq: int,
+    dim: int,
+    fake: FakeTensorMode,
+) -> StageCost:
     """Parallelizes `stage` on meta (the real passes, on the fake world's mesh) and measures it."""
     parallelize_stage(stage, mesh, pcfg)
     local = sum(_local_numel(p) for p in stage.parameters())
@@ -92,10 +105,17 @@ def rank_memory(pp_rank: int, stages: list[int], costs: list[StageCost], pcfg: P
         tp_local = sum(c.tp_local for c in costs)
         gathered_bytes = (2 if pcfg.mixed_precision == "bf16" else FP32) * tp_local
         grad_accum_bytes = FP32 * tp_local
-    return RankMemory(pp_rank, stages, local, param_bytes=local * FP32, gathered_bytes=gathered_bytes,
-                      grad_bytes=local * FP32, grad_accum_bytes=grad_accum_bytes,
-                      optim_bytes=ADAM_STATES * local * FP32,
-                      act_bytes_per_microbatch={s: c.act_bytes for s, c in zip(stages, costs)})
+    return RankMemory(
+        pp_rank,
+        stages,
+        local,
+        param_bytes=local * FP32,
+        gathered_bytes=gathered_bytes,
+        grad_bytes=local * FP32,
+        grad_accum_bytes=grad_accum_bytes,
+        optim_bytes=ADAM_STATES * local * FP32,
+        act_bytes_per_microbatch={s: c.act_bytes for s, c in zip(stages, costs)},
+    )
 
 
 def peak_held_bytes(actions: list[Action], bytes_per_stage: dict[int, int]) -> int:

@@ -27,29 +27,62 @@ def format_plan(job: JobPlan) -> str:
     fsdp = f"FSDP reshard_after_forward={p.fsdp_reshard_after_forward}" if uses_fsdp(p) else "no FSDP"
     lines = [
         f"world: {job.world_size} ranks (fake process group); mesh {mesh}",
-        (f"model: dim={m.dim} layers={m.n_layers} heads={m.n_heads}/{m.n_kv_heads or m.n_heads} ffn={m.ffn_dim} "
-         f"vocab={m.vocab_size}; batch {t.batch_size} x seq {t.seq_len}, microbatch {job.microbatch} x "
-         f"{p.microbatches} per DP rank; {p.mixed_precision}; {fsdp}; activation checkpoint {p.activation_checkpoint}"),
+        (
+            f"model: dim={m.dim} layers={m.n_layers} heads={m.n_heads}/{m.n_kv_heads or m.n_heads} ffn={m.ffn_dim} "
+            f"vocab={m.vocab_size}; batch {t.batch_size} x seq {t.seq_len}, microbatch {job.microbatch} x "
+            f"{p.microbatches} per DP rank; {p.mixed_precision}; {fsdp}; "
+            f"activation checkpoint {p.activation_checkpoint}"
+        ),
         "",
         "stages:",
         job.plan.table(),
         "",
         f"memory per rank (dp/tp coordinate 0; schedule {p.schedule}; AdamW):",
     ]
-    rows = [("pp rank", "stages", "local params", "params", "gathered", "grads", "grad accum", "optimizer",
-             "act/microbatch", "act peak", "total")]
+    rows = [
+        (
+            "pp rank",
+            "stages",
+            "local params",
+            "params",
+            "gathered",
+            "grads",
+            "grad accum",
+            "optimizer",
+            "act/microbatch",
+            "act peak",
+            "total",
+        )
+    ]
     for r in job.ranks:
-        rows.append((r.pp_rank, ",".join(map(str, r.stages)), f"{r.local_params:,}", _size(r.param_bytes),
-                     _size(r.gathered_bytes), _size(r.grad_bytes), _size(r.grad_accum_bytes), _size(r.optim_bytes),
-                     _size(sum(r.act_bytes_per_microbatch.values())), _size(r.act_peak_bytes),
-                     _size(r.total_bytes)))
-    lines += [_table(rows), "",
-              "schedules (bubble = idle / compute time per rank; act peak = max over pp ranks):"]
+        rows.append(
+            (
+                r.pp_rank,
+                ",".join(map(str, r.stages)),
+                f"{r.local_params:,}",
+                _size(r.param_bytes),
+                _size(r.gathered_bytes),
+                _size(r.grad_bytes),
+                _size(r.grad_accum_bytes),
+                _size(r.optim_bytes),
+                _size(sum(r.act_bytes_per_microbatch.values())),
+                _size(r.act_peak_bytes),
+                _size(r.total_bytes),
+            )
+        )
+    lines += [_table(rows), "", "schedules (bubble = idle / compute time per rank; act peak = max over pp ranks):"]
     rows = [("schedule", "bubble theory", "bubble simulated", "act peak", "microbatches held (rank 0 .. last)")]
     for s in job.schedules:
         theory = f"{s.bubble_theory:.4f}" if s.bubble_theory is not None else "-"
         held = " ".join(f"{x:.1f}" for x in s.peak_microbatches)
-        rows.append((s.name + (" *" if s is job.schedules[0] else ""), theory, f"{s.bubble_simulated:.4f}",
-                     _size(max(s.act_peak_bytes)), held))
+        rows.append(
+            (
+                s.name + (" *" if s is job.schedules[0] else ""),
+                theory,
+                f"{s.bubble_simulated:.4f}",
+                _size(max(s.act_peak_bytes)),
+                held,
+            )
+        )
     lines += [_table(rows), "", f"(* configured; dry run took {job.seconds:.1f} s)"]
     return "\n".join(lines)

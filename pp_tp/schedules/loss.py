@@ -48,8 +48,7 @@ class TokenSumLoss:
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.tp_mesh is not None:
             logits = DTensor.from_local(logits, self.tp_mesh, [Shard(-1)], run_check=False)
-        ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
-                             reduction="sum")
+        ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
         return full_tensor(ce) * self.scale
 
 

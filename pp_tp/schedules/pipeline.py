@@ -7,21 +7,17 @@ every rank must see the same shape, as they do when the data loader feeds equal 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (
-    RESHARD,
-    UNSHARD,
-    _Action,
-    _PipelineScheduleRuntime,
-)
+from torch.distributed.pipelining.schedules import RESHARD, UNSHARD
 
+from pp_tp._torch import Action, PipelineScheduleRuntime, load_csv_schedule
 from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
 from pp_tp.parallel.fsdp import keeps_params_gathered
@@ -44,15 +40,24 @@ class BoundaryShapes:
 
     def stage_io(self, stage: StageModule) -> tuple[torch.Tensor, torch.Tensor]:
         mb, s = self.microbatch, self.seq
-        inp = (torch.empty(mb, s, dtype=torch.long, device="meta") if stage.is_first
-               else torch.empty(mb, s, self.dim, dtype=self.act_dtype, device="meta", requires_grad=True))
+        inp = (
+            torch.empty(mb, s, dtype=torch.long, device="meta")
+            if stage.is_first
+            else torch.empty(mb, s, self.dim, dtype=self.act_dtype, device="meta", requires_grad=True)
+        )
         # requires_grad tells torch's static metadata that gradients flow back across the boundary.
-        out = torch.empty(mb, s, self.vocab_local if stage.is_last else self.dim, dtype=self.act_dtype,
-                          device="meta", requires_grad=True)
+        out = torch.empty(
+            mb,
+            s,
+            self.vocab_local if stage.is_last else self.dim,
+            dtype=self.act_dtype,
+            device="meta",
+            requires_grad=True,
+        )
         return inp, out
 
 
-def _gather_params_once(schedule: _PipelineScheduleRuntime) -> None:
+def _gather_params_once(schedule: PipelineScheduleRuntime) -> None:
     """Keeps FSDP params gathered for the whole step on multi-stage schedules (fixes pytorch#164756).
 
     torch's lowering interleaves UNSHARD/RESHARD per stage as its window of active stages moves, so
@@ -62,19 +67,32 @@ def _gather_params_once(schedule: _PipelineScheduleRuntime) -> None:
     """
     order = schedule.pipeline_order_with_comms
     for rank, actions in order.items():
-        local = sorted({leaf.stage_index for a in actions if a.computation_type not in (UNSHARD, RESHARD)
-                        for leaf in (a.sub_actions or (a,))})  # OVERLAP_F_B has stage -1, its parts real ones
+        local = sorted(
+            {
+                leaf.stage_index
+                for a in actions
+                if a.computation_type not in (UNSHARD, RESHARD)
+                for leaf in (a.sub_actions or (a,))
+            }
+        )  # OVERLAP_F_B has stage -1, its parts real ones
         body = [a for a in actions if a.computation_type not in (UNSHARD, RESHARD)]
-        order[rank] = ([_Action(s, UNSHARD, None) for s in local] + body
-                       + [_Action(s, RESHARD, None) for s in local])
+        order[rank] = [Action(s, UNSHARD, None) for s in local] + body + [Action(s, RESHARD, None) for s in local]
 
 
 class Pipeline:
-    """Runs one training step of the pipelined model; see DESIGN.md for the contract."""
+    """Runs one training step of the pipelined model; see docs/design.md for the contract."""
 
-    def __init__(self, stages: list[StageModule], plan: StagePlan, mesh: DeviceMesh, pcfg: ParallelConfig,
-                 device: torch.device, shapes_fn: Callable[[int, int], BoundaryShapes], grad_factor: int,
-                 tp_loss_mesh: DeviceMesh | None = None):
+    def __init__(
+        self,
+        stages: list[StageModule],
+        plan: StagePlan,
+        mesh: DeviceMesh,
+        pcfg: ParallelConfig,
+        device: torch.device,
+        shapes_fn: Callable[[int, int], BoundaryShapes],
+        grad_factor: int,
+        tp_loss_mesh: DeviceMesh | None = None,
+    ):
         self.model_parts: list[nn.Module] = list(stages)
         self.plan = plan
         self.mesh = mesh
@@ -97,18 +115,28 @@ class Pipeline:
         pstages = []
         for stage in self.model_parts:
             inp, out = shapes.stage_io(stage)
-            pstages.append(PipelineStage(stage, stage.spec.index, num_stages, self.device, input_args=inp,
-                                         output_args=out, group=self._pp_group))
+            pstages.append(
+                PipelineStage(
+                    stage,
+                    stage.spec.index,
+                    num_stages,
+                    self.device,
+                    input_args=inp,
+                    output_args=out,
+                    group=self._pp_group,
+                )
+            )
         m = self.pcfg.microbatches
         name = self.pcfg.schedule
         if is_csv_schedule(name):
-            schedule = _PipelineScheduleRuntime(pstages, n_microbatches=m, loss_fn=self._loss, scale_grads=False)
-            schedule._load_csv(name)
+            schedule = PipelineScheduleRuntime(pstages, n_microbatches=m, loss_fn=self._loss, scale_grads=False)
+            load_csv_schedule(schedule, name)
         else:
             spec = get_schedule_spec(name)
-            schedule = spec.cls(pstages if spec.multi_stage else pstages[0], n_microbatches=m, loss_fn=self._loss,
-                                scale_grads=False)
-        if isinstance(schedule, _PipelineScheduleRuntime) and keeps_params_gathered(self.pcfg):
+            schedule = spec.cls(
+                pstages if spec.multi_stage else pstages[0], n_microbatches=m, loss_fn=self._loss, scale_grads=False
+            )
+        if isinstance(schedule, PipelineScheduleRuntime) and keeps_params_gathered(self.pcfg):
             _gather_params_once(schedule)
         self.schedule = schedule
         self._shape_key = (microbatch, seq)
@@ -116,13 +144,17 @@ class Pipeline:
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """One forward/backward over this DP rank's batch; returns the global mean token loss on every rank."""
         if input_ids.shape != labels.shape or input_ids.dim() != 2:
-            raise ConfigError(f"Pipeline.step: input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} "
-                              "must both be [batch, seq]")
+            raise ConfigError(
+                f"Pipeline.step: input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} "
+                "must both be [batch, seq]"
+            )
         batch, seq = input_ids.shape
         m = self.pcfg.microbatches
         if batch % m:
-            raise ConfigError(f"Pipeline.step: local batch {batch} is not divisible by parallel.microbatches = {m}; "
-                              f"use a batch that is a multiple of {m}")
+            raise ConfigError(
+                f"Pipeline.step: local batch {batch} is not divisible by parallel.microbatches = {m}; "
+                f"use a batch that is a multiple of {m}"
+            )
         if self._shape_key != (batch // m, seq):
             self._build_schedule(batch // m, seq)
         input_ids, labels = input_ids.to(self.device), labels.to(self.device)

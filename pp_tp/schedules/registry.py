@@ -7,12 +7,14 @@ combination ends with one line naming the key and the fix instead of a hang or a
 from __future__ import annotations
 
 import csv
+import difflib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from torch.distributed import pipelining as pl
 
+from pp_tp._torch import Action
 from pp_tp.errors import ConfigError
 
 
@@ -66,20 +68,36 @@ for _spec in (
     ScheduleSpec("1F1B", pl.Schedule1F1B, multi_stage=False, stages_per_rank=1, check_microbatches=_at_least_stages),
     ScheduleSpec("Interleaved1F1B", pl.ScheduleInterleaved1F1B, multi_stage=True, check_microbatches=_rounds),
     ScheduleSpec("LoopedBFS", pl.ScheduleLoopedBFS, multi_stage=True, check_microbatches=_at_least_pp),
-    ScheduleSpec("InterleavedZeroBubble", pl.ScheduleInterleavedZeroBubble, multi_stage=True, check_microbatches=_rounds,
-                 splits_weight_grad=True),
-    ScheduleSpec("ZBVZeroBubble", pl.ScheduleZBVZeroBubble, multi_stage=True, mapping="v", stages_per_rank=2,
-                 check_microbatches=_at_least_stages, splits_weight_grad=True),
-    ScheduleSpec("DualPipeV", pl.ScheduleDualPipeV, multi_stage=True, mapping="v", stages_per_rank=2,
-                 check_microbatches=_at_least_stages, splits_weight_grad=True),
+    ScheduleSpec(
+        "InterleavedZeroBubble",
+        pl.ScheduleInterleavedZeroBubble,
+        multi_stage=True,
+        check_microbatches=_rounds,
+        splits_weight_grad=True,
+    ),
+    ScheduleSpec(
+        "ZBVZeroBubble",
+        pl.ScheduleZBVZeroBubble,
+        multi_stage=True,
+        mapping="v",
+        stages_per_rank=2,
+        check_microbatches=_at_least_stages,
+        splits_weight_grad=True,
+    ),
+    ScheduleSpec(
+        "DualPipeV",
+        pl.ScheduleDualPipeV,
+        multi_stage=True,
+        mapping="v",
+        stages_per_rank=2,
+        check_microbatches=_at_least_stages,
+        splits_weight_grad=True,
+    ),
 ):
     register_schedule(_spec)
 
 
 def schedule_names() -> list[str]:
-    from pp_tp.plugins import load_plugins
-
-    load_plugins()
     return sorted(_REGISTRY)
 
 
@@ -89,16 +107,16 @@ def is_csv_schedule(name: str) -> bool:
 
 def read_csv_schedule(path: str) -> dict[int, list]:
     """Parses a torch action CSV (one row per pp rank, e.g. ``0F0,1F0,...``) into actions per rank."""
-    from torch.distributed.pipelining.schedules import _Action
-
     if not os.path.isfile(path):
         raise ConfigError(f"parallel.schedule = {path!r}: file not found; give an existing CSV path or a schedule name")
     with open(path, newline="") as f:
         rows = [row for row in csv.reader(f) if row]
     try:
-        return {rank: [_Action.from_str(a.strip()) for a in row if a.strip()] for rank, row in enumerate(rows)}
+        return {rank: [Action.from_str(a.strip()) for a in row if a.strip()] for rank, row in enumerate(rows)}
     except (RuntimeError, ValueError) as e:
-        raise ConfigError(f"parallel.schedule = {path!r}: bad action ({e}); use torch's action format like 0F0,0B0") from None
+        raise ConfigError(
+            f"parallel.schedule = {path!r}: bad action ({e}); use torch's action format like 0F0,0B0"
+        ) from None
 
 
 def csv_stage_to_rank(actions: dict[int, list]) -> dict[int, int]:
@@ -107,50 +125,70 @@ def csv_stage_to_rank(actions: dict[int, list]) -> dict[int, int]:
     for rank, acts in actions.items():
         for a in acts:
             if a is not None and owner.setdefault(a.stage_index, rank) != rank:
-                raise ConfigError(f"schedule CSV: stage {a.stage_index} appears on ranks {owner[a.stage_index]} and {rank}; "
-                                  "each stage must run on one rank")
+                raise ConfigError(
+                    f"schedule CSV: stage {a.stage_index} appears on ranks {owner[a.stage_index]} and {rank}; "
+                    "each stage must run on one rank"
+                )
     return owner
 
 
 def get_schedule_spec(name: str) -> ScheduleSpec:
     names = schedule_names()
     if name not in _REGISTRY:
-        import difflib
-
         same_case = [n for n in names if n.lower() == name.lower()]
         close = same_case or difflib.get_close_matches(name, names, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"parallel.schedule = {name!r} is unknown{hint}; use one of {', '.join(names)} or a .csv path")
+        raise ConfigError(
+            f"parallel.schedule = {name!r} is unknown{hint}; use one of {', '.join(names)} or a .csv path"
+        )
     return _REGISTRY[name]
 
 
-def check_schedule(pp: int, stages_per_rank: int, microbatches: int, schedule: str,
-                   reshard: str | int = "default") -> None:
+def default_stages_per_rank(schedule: str, pp: int) -> int:
+    """stages_per_rank when the config leaves it out: a CSV's own count, a schedule's fixed count (2 for V
+    schedules), else 2 for other multi-stage schedules and 1 for single-stage ones (as torchtitan infers it)."""
+    if is_csv_schedule(schedule):
+        return max(1, len(csv_stage_to_rank(read_csv_schedule(schedule))) // max(pp, 1))
+    spec = get_schedule_spec(schedule)
+    return spec.stages_per_rank or (2 if spec.multi_stage else 1)
+
+
+def check_schedule(
+    pp: int, stages_per_rank: int, microbatches: int, schedule: str, reshard: str | int = "default"
+) -> None:
     """Refuses a schedule / stages_per_rank / microbatches combination torch would reject or hang on."""
     if is_csv_schedule(schedule):
         owner = csv_stage_to_rank(read_csv_schedule(schedule))
         ranks = sorted(set(owner.values()))
         if len(owner) != pp * stages_per_rank or ranks != list(range(pp)):
+            per_rank = max(1, len(owner) // max(1, len(ranks)))
             raise ConfigError(
                 f"parallel.schedule = {schedule!r} runs {len(owner)} stages on {len(ranks)} ranks; "
-                f"set parallel.pp = {len(ranks)} and parallel.stages_per_rank = {max(1, len(owner) // max(1, len(ranks)))}"
+                f"set parallel.pp = {len(ranks)} and parallel.stages_per_rank = {per_rank}"
             )
         return
     spec = get_schedule_spec(schedule)
     if spec.stages_per_rank is not None and stages_per_rank != spec.stages_per_rank:
-        raise ConfigError(f"parallel.stages_per_rank = {stages_per_rank}: schedule {schedule} needs exactly "
-                          f"{spec.stages_per_rank}; set parallel.stages_per_rank = {spec.stages_per_rank}")
+        raise ConfigError(
+            f"parallel.stages_per_rank = {stages_per_rank}: schedule {schedule} needs exactly "
+            f"{spec.stages_per_rank}; set parallel.stages_per_rank = {spec.stages_per_rank}"
+        )
     if stages_per_rank < spec.min_stages_per_rank:
-        raise ConfigError(f"parallel.stages_per_rank = {stages_per_rank}: schedule {schedule} needs at least "
-                          f"{spec.min_stages_per_rank}")
+        raise ConfigError(
+            f"parallel.stages_per_rank = {stages_per_rank}: schedule {schedule} needs at least "
+            f"{spec.min_stages_per_rank}"
+        )
     if spec.splits_weight_grad and reshard not in ("default", "never"):
-        raise ConfigError(f"parallel.fsdp_reshard_after_forward = {reshard!r}: schedule {schedule} computes weight "
-                          "gradients after input gradients and torch leaves some unset when FSDP reshards between "
-                          "them; use \"default\" or \"never\", or a schedule without split backward (e.g. Interleaved1F1B)")
+        raise ConfigError(
+            f"parallel.fsdp_reshard_after_forward = {reshard!r}: schedule {schedule} computes weight "
+            "gradients after input gradients and torch leaves some unset when FSDP reshards between "
+            'them; use "default" or "never", or a schedule without split backward (e.g. Interleaved1F1B)'
+        )
     problem = spec.check_microbatches(pp, pp * stages_per_rank, microbatches)
     if problem:
-        raise ConfigError(f"parallel.microbatches = {microbatches}: schedule {schedule} {problem}; "
-                          "raise parallel.microbatches")
+        raise ConfigError(
+            f"parallel.microbatches = {microbatches}: schedule {schedule} {problem}; raise parallel.microbatches"
+        )
 
 
 def stage_owner(pp: int, stages_per_rank: int, schedule: str) -> list[int]:

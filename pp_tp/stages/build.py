@@ -7,7 +7,7 @@ because it depends only on (seed, FQN)) or from a full state dict keyed by FQN.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -15,8 +15,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
-from pp_tp.models.llama import seeded_value
 from pp_tp.parallel.apply import parallelize_stage
+from pp_tp.seeded_init import seeded_value
 from pp_tp.stages.layouts import ModelLayout
 from pp_tp.stages.plan import StagePlan
 from pp_tp.stages.stage_module import StageModule
@@ -51,9 +51,17 @@ def fill_stage(stage: StageModule, model: nn.Module, seed: int, state_dict: Mapp
         copy_full_(p, full.to(torch.float32))
 
 
-def build_local_stages(model: nn.Module, layout: ModelLayout, plan: StagePlan, pp_rank: int, mesh: DeviceMesh,
-                       pcfg: ParallelConfig, device: torch.device, seed: int = 0,
-                       state_dict: Mapping[str, torch.Tensor] | None = None) -> list[StageModule]:
+def build_local_stages(
+    model: nn.Module,
+    layout: ModelLayout,
+    plan: StagePlan,
+    pp_rank: int,
+    mesh: DeviceMesh,
+    pcfg: ParallelConfig,
+    device: torch.device,
+    seed: int = 0,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
+) -> list[StageModule]:
     """This rank's stage modules: pruned, parallelized (TP -> float8 -> AC -> compile -> FSDP), materialized, filled."""
     stages = []
     for spec in plan.for_rank(pp_rank):

@@ -7,14 +7,15 @@ forward to tolerate missing modules. Register a layout for your own model with `
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from pp_tp.errors import ConfigError
-from pp_tp.models.llama import Transformer, param_init_std
+from pp_tp.seeded_init import InitStd, default_init_std
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class ModelLayout:
     tp_plan: dict[str, str] = field(default_factory=dict)
     qk_norms: tuple[str, ...] = ()
     attention: str = "attention"
-    init_std: Callable[[str, int], float | None] = param_init_std
+    init_std: InitStd = default_init_std
 
     def block_keys(self, model: nn.Module) -> list[str]:
         """The blocks' names inside the blocks container, in execution order."""
@@ -74,109 +75,11 @@ def register_layout(layout: ModelLayout) -> None:
 
 
 def layout_for(model: nn.Module) -> ModelLayout:
-    from pp_tp.plugins import load_plugins
-
-    load_plugins()
+    """The most recently registered layout that matches `model`; refused in one line when none does."""
     for layout in _LAYOUTS:
         if layout.matches(model):
             return layout
-    raise ConfigError(f"model {type(model).__name__}: no model layout matches it; register one with "
-                      "pp_tp.stages.layouts.register_layout (see ModelLayout)")
-
-
-# --- the reference Transformer ------------------------------------------------------------------
-
-def _ref_dims(model: Transformer) -> ModelDims:
-    a = model.args
-    return ModelDims(a.n_layers, a.dim, a.n_heads, a.kv_heads, a.ffn_dim, a.vocab_size, a.max_seq_len,
-                     a.tie_embeddings)
-
-
-def _ref_init_buffers(stage: nn.Module, model: Transformer) -> None:
-    from pp_tp.models.llama import rope_cache
-
-    a = model.args
-    stage.rope = rope_cache(a.head_dim, a.max_seq_len, a.rope_theta, stage.rope.device)
-
-
-_BLOCK_TP_PLAN = {
-    "attention": "replicate_input", "feed_forward": "replicate_input",
-    "attention.wq": "colwise", "attention.wk": "colwise", "attention.wv": "colwise", "attention.wo": "rowwise",
-    "feed_forward.w1": "colwise", "feed_forward.w3": "colwise", "feed_forward.w2": "rowwise",
-}
-
-REFERENCE = ModelLayout(
-    name="reference",
-    matches=lambda m: isinstance(m, Transformer),
-    dims=_ref_dims,
-    embed="tok_embeddings",
-    blocks="layers",
-    norm="norm",
-    head="output",
-    shared=("rope",),
-    block_inputs=lambda stage, h: (stage.rope,),
-    call_block=lambda block, h, extras: block(h, *extras),
-    init_buffers=_ref_init_buffers,
-    tp_plan=_BLOCK_TP_PLAN,
-    qk_norms=("attention.q_norm", "attention.k_norm"),
-)
-
-
-# --- Hugging Face Llama family (LlamaForCausalLM, Qwen2/3, Mistral, ...) ---------------------------
-
-def _is_hf_llama_like(model: nn.Module) -> bool:
-    inner = getattr(model, "model", None)
-    return (hasattr(model, "lm_head") and inner is not None
-            and all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")))
-
-
-def _hf_dims(model: nn.Module) -> ModelDims:
-    c = model.config
-    return ModelDims(c.num_hidden_layers, c.hidden_size, c.num_attention_heads,
-                     getattr(c, "num_key_value_heads", None) or c.num_attention_heads, c.intermediate_size,
-                     c.vocab_size, c.max_position_embeddings, bool(getattr(c, "tie_word_embeddings", False)))
-
-
-def _hf_block_inputs(stage: nn.Module, h: torch.Tensor) -> tuple[Any, ...]:
-    position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-    return (position_ids, stage.get_submodule("model.rotary_emb")(h, position_ids))
-
-
-def _hf_call_block(block: nn.Module, h: torch.Tensor, extras: tuple[Any, ...]) -> torch.Tensor:
-    position_ids, position_embeddings = extras
-    # attention_mask=None: SDPA attention is causal.
-    out = block(h, attention_mask=None, position_ids=position_ids, position_embeddings=position_embeddings)
-    return out[0] if isinstance(out, tuple) else out
-
-
-def _hf_init_buffers(stage: nn.Module, model: nn.Module) -> None:
-    rot = stage.get_submodule("model.rotary_emb")
-    fresh = type(rot)(config=model.config)
-    for name, buf in fresh.named_buffers():
-        setattr(rot, name, buf.to(rot.inv_freq.device))
-
-
-HF_LLAMA = ModelLayout(
-    name="hf_llama",
-    matches=_is_hf_llama_like,
-    dims=_hf_dims,
-    embed="model.embed_tokens",
-    blocks="model.layers",
-    norm="model.norm",
-    head="lm_head",
-    shared=("model.rotary_emb",),
-    block_inputs=_hf_block_inputs,
-    call_block=_hf_call_block,
-    init_buffers=_hf_init_buffers,
-    tp_plan={
-        "self_attn": "replicate_input", "mlp": "replicate_input",
-        "self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
-        "self_attn.o_proj": "rowwise",
-        "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise",
-    },
-    qk_norms=("self_attn.q_norm", "self_attn.k_norm"),
-    attention="self_attn",
-)
-
-register_layout(HF_LLAMA)
-register_layout(REFERENCE)
+    raise ConfigError(
+        f"model {type(model).__name__}: no model layout matches it; register one with "
+        "pp_tp.extend.register_layout (see ModelLayout)"
+    )

@@ -12,13 +12,14 @@ so uneven layer counts never drop or duplicate a layer.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from torch import nn
 
 from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
-from pp_tp.schedules.registry import stage_owner
+from pp_tp.schedules.registry import default_stages_per_rank, stage_owner
 from pp_tp.stages import cost
 from pp_tp.stages.layouts import ModelDims, ModelLayout
 
@@ -51,8 +52,9 @@ class StagePlan:
         for s in self.stages:
             layers = f"{s.blocks[0]}-{s.blocks[-1]}" if len(s.blocks) > 1 else (s.blocks[0] if s.blocks else "-")
             holds = "+".join(x for x, on in (("embed", s.embed), ("head", s.head)) if on) or "-"
-            rows.append((str(s.index), str(s.rank), layers, str(len(s.blocks)), f"{s.params:,}",
-                         f"{s.cost / 1e9:.4f}", holds))
+            rows.append(
+                (str(s.index), str(s.rank), layers, str(len(s.blocks)), f"{s.params:,}", f"{s.cost / 1e9:.4f}", holds)
+            )
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
 
@@ -98,46 +100,48 @@ def _layer_counts_from_items(item_weights: list[float], k: int) -> list[int]:
 
 
 def _layer_counts(pcfg: ParallelConfig, d: ModelDims, seq_len: int) -> list[int]:
+    """Layers per stage; the list lengths and entries were checked with the config (config.validate)."""
     k = pcfg.num_stages
     if pcfg.split == "layers_per_stage":
-        counts = list(pcfg.layers_per_stage or [])
-        if len(counts) != k or sum(counts) != d.n_layers or min(counts) < 0:
-            raise ConfigError(f"parallel.layers_per_stage = {counts}: needs {k} non-negative counts summing to "
-                              f"{d.n_layers} layers")
+        counts = list(pcfg.layers_per_stage)
+        if sum(counts) != d.n_layers:
+            raise ConfigError(
+                f"parallel.layers_per_stage = {counts} sums to {sum(counts)} but "
+                f"model.n_layers = {d.n_layers}; make the counts sum to {d.n_layers}"
+            )
         return counts
     if d.n_layers < k:
-        raise ConfigError(f"parallel: {k} stages (pp*stages_per_rank) but only {d.n_layers} layers; "
-                          "lower parallel.pp or parallel.stages_per_rank")
+        raise ConfigError(
+            f"model.n_layers = {d.n_layers} is fewer than the {k} pipeline stages "
+            "(parallel.pp * parallel.stages_per_rank); lower parallel.pp or parallel.stages_per_rank, "
+            "or add layers"
+        )
     if pcfg.split == "even":
         return _even(d.n_layers, k)
     if pcfg.split == "weighted":
         items = [pcfg.split_embed_weight] + [1.0] * d.n_layers + [pcfg.split_head_weight]
-    elif pcfg.split == "balanced":
+    else:  # balanced
         items = [cost.embed_flops(d)] + [cost.block_flops(d, seq_len)] * d.n_layers + [cost.head_flops(d)]
-    else:
-        raise ConfigError(f"parallel.split = {pcfg.split!r} is unknown; use even, weighted, balanced, "
-                          "layers_per_stage or explicit")
     counts = _layer_counts_from_items(items, k)
     if 0 in counts[1:-1]:  # a middle stage with no layer has nothing to run
-        raise ConfigError(f"parallel.split = {pcfg.split!r} leaves a middle stage empty ({counts}); "
-                          "lower parallel.pp/stages_per_rank or the embed/head weights")
+        raise ConfigError(
+            f"parallel.split = {pcfg.split!r} leaves a middle stage empty ({counts}); "
+            "lower parallel.pp/stages_per_rank or the embed/head weights"
+        )
     return counts
 
 
 def _explicit(pcfg: ParallelConfig, layout: ModelLayout, keys: list[str]) -> list[tuple[bool, list[str], bool]]:
     """Checks an explicit FQN list per stage: known names, in model order, each exactly once."""
     order = [layout.embed] + [f"{layout.blocks}.{k}" for k in keys] + [layout.norm, layout.head]
-    lists = pcfg.stage_fqns or []
-    if len(lists) != pcfg.num_stages:
-        raise ConfigError(f"parallel.stage_fqns has {len(lists)} stages; needs {pcfg.num_stages} (pp*stages_per_rank)")
+    lists = pcfg.stage_fqns  # one non-empty list per stage (config.validate)
     flat = [f for stage in lists for f in stage]
-    for i, stage in enumerate(lists):
-        if not stage:
-            raise ConfigError(f"parallel.stage_fqns[{i}] is empty; every stage needs at least one module")
     unknown = [f for f in flat if f not in order]
     if unknown:
-        raise ConfigError(f"parallel.stage_fqns: unknown module {unknown[0]!r}; use names like {order[0]!r}, "
-                          f"{order[1]!r}, {order[-1]!r}")
+        raise ConfigError(
+            f"parallel.stage_fqns: unknown module {unknown[0]!r}; use names like {order[0]!r}, "
+            f"{order[1]!r}, {order[-1]!r}"
+        )
     if flat != order:
         missing = [f for f in order if f not in flat]
         what = f"misses {missing[0]!r}" if missing else "repeats a module or breaks model order"
@@ -145,11 +149,13 @@ def _explicit(pcfg: ParallelConfig, layout: ModelLayout, keys: list[str]) -> lis
     if lists[-1][-2:] != [layout.norm, layout.head]:
         raise ConfigError(f"parallel.stage_fqns: {layout.norm!r} and {layout.head!r} must close the last stage")
     prefix = f"{layout.blocks}."
-    return [(layout.embed in s, [f[len(prefix):] for f in s if f.startswith(prefix)], layout.head in s) for s in lists]
+    return [(layout.embed in s, [f[len(prefix) :] for f in s if f.startswith(prefix)], layout.head in s) for s in lists]
 
 
 def plan_stages(model: nn.Module, layout: ModelLayout, pcfg: ParallelConfig, seq_len: int | None = None) -> StagePlan:
     """Plans stages for `model` (meta or real) under `pcfg`; pure and local, so every rank gets the same plan."""
+    if pcfg.stages_per_rank is None:
+        pcfg = dataclasses.replace(pcfg, stages_per_rank=default_stages_per_rank(pcfg.schedule, pcfg.pp))
     d = layout.dims(model)
     seq_len = seq_len or d.max_seq_len
     keys = layout.block_keys(model)
@@ -159,7 +165,7 @@ def plan_stages(model: nn.Module, layout: ModelLayout, pcfg: ParallelConfig, seq
     else:
         counts = _layer_counts(pcfg, d, seq_len)
         bounds = [sum(counts[:i]) for i in range(k + 1)]
-        parts = [(i == 0, keys[bounds[i]:bounds[i + 1]], i == k - 1) for i in range(k)]
+        parts = [(i == 0, keys[bounds[i] : bounds[i + 1]], i == k - 1) for i in range(k)]
     owners = stage_owner(pcfg.pp, pcfg.stages_per_rank, pcfg.schedule)
     stages = []
     for i, (embed, blocks, head) in enumerate(parts):

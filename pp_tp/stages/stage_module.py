@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed._functional_collectives import AsyncCollectiveTensor, wait_tensor
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from pp_tp._torch import (
+    AsyncCollectiveTensor,
+    child_modules,
+    is_persistent_buffer,
+    is_traceable_wrapper_subclass,
+    wait_tensor,
+)
 from pp_tp.stages.layouts import ModelLayout
 from pp_tp.stages.plan import StageSpec
 
@@ -23,14 +28,14 @@ def _attach(root: nn.Module, model: nn.Module, fqn: str) -> None:
     node, src = root, model
     for part in parents:
         src = src.get_submodule(part)
-        if part not in node._modules:
+        if part not in child_modules(node):
             container = nn.ModuleDict() if isinstance(src, (nn.ModuleList, nn.ModuleDict)) else nn.Module()
             node.add_module(part, container)
-        node = node._modules[part]
-    if leaf in src._modules:
-        node.add_module(leaf, src._modules[leaf])
+        node = child_modules(node)[part]
+    if leaf in child_modules(src):
+        node.add_module(leaf, child_modules(src)[leaf])
     else:
-        node.register_buffer(leaf, src.get_buffer(leaf), persistent=leaf not in src._non_persistent_buffers_set)
+        node.register_buffer(leaf, src.get_buffer(leaf), persistent=is_persistent_buffer(src, leaf))
 
 
 class StageModule(nn.Module):
@@ -68,6 +73,8 @@ class StageModule(nn.Module):
         if isinstance(h, AsyncCollectiveTensor):  # a TP all-reduce/all-gather still in flight: finish it here
             h = wait_tensor(h)
         if is_traceable_wrapper_subclass(h):  # DTensor & co.; a FakeTensor (planner dry run) is plain
-            raise TypeError(f"stage {self.spec.index} outputs a {type(h).__name__}; stage boundaries carry plain "
-                            "torch.Tensor (a TP style at the stage's edge needs use_local_output=True)")
+            raise TypeError(
+                f"stage {self.spec.index} outputs a {type(h).__name__}; stage boundaries carry plain "
+                "torch.Tensor (a TP style at the stage's edge needs use_local_output=True)"
+            )
         return h

@@ -38,8 +38,16 @@ class TinyLM(nn.Module):
 LAYOUT = ModelLayout(
     name="tiny_mlp",
     matches=lambda m: isinstance(m, TinyLM),
-    dims=lambda m: ModelDims(n_layers=len(m.trunk), dim=m.dim, n_heads=1, n_kv_heads=1, ffn_dim=m.hidden,
-                             vocab_size=m.vocab, max_seq_len=1024, tied=False),
+    dims=lambda m: ModelDims(
+        n_layers=len(m.trunk),
+        dim=m.dim,
+        n_heads=1,
+        n_kv_heads=1,
+        ffn_dim=m.hidden,
+        vocab_size=m.vocab,
+        max_seq_len=1024,
+        tied=False,
+    ),
     embed="emb",
     blocks="trunk",
     norm="ln_f",

@@ -6,13 +6,14 @@ Layers live in an ``nn.ModuleDict`` keyed by the global layer index, so a parame
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pp_tp.seeded_init import default_init_std, init_weights
 
 
 @dataclass
@@ -138,9 +139,9 @@ class Transformer(nn.Module):
         self.rope = rope_cache(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, self.rope.device)
 
     def init_weights(self, seed: int = 0) -> None:
-        """Values depend only on (seed, parameter FQN); see ``init_weights`` below."""
+        """Values depend only on (seed, parameter FQN): pp_tp.seeded_init with this model's std rule."""
         self.init_rope()
-        init_weights(self, seed, self.args.n_layers)
+        init_weights(self, seed, self.args.n_layers, param_init_std)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(input_ids)
@@ -150,33 +151,7 @@ class Transformer(nn.Module):
 
 
 def param_init_std(fqn: str, n_layers: int) -> float | None:
-    """The init rule by parameter name: None means 'ones' (norm weights); biases get zero std."""
-    if fqn.endswith("norm.weight"):
-        return None
-    if fqn.endswith(".bias"):
-        return 0.0
+    """The reference model's init rule: the default, with output projections scaled by 1/sqrt(2 n_layers)."""
     if fqn.endswith(("wo.weight", "w2.weight")):
         return 0.02 / math.sqrt(2 * n_layers)
-    return 0.02
-
-
-def seeded_value(seed: int, fqn: str, shape: torch.Size, std: float | None) -> torch.Tensor:
-    """The full fp32 value of one parameter, a function of (seed, fqn) only."""
-    if std is None:
-        return torch.ones(shape)
-    if std == 0.0:
-        return torch.zeros(shape)
-    digest = hashlib.sha256(f"{seed}:{fqn}".encode()).digest()
-    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
-    return torch.randn(shape, generator=gen) * std
-
-
-def init_weights(module: nn.Module, seed: int, n_layers: int, std_rule=param_init_std) -> None:
-    """Initializes every parameter of ``module`` (a full model or a stage of one) by (seed, FQN).
-
-    Names are the full model's, so any split or sharding reproduces the single-process init exactly.
-    """
-    from pp_tp.tensor_utils import copy_full_
-
-    for fqn, p in module.named_parameters():
-        copy_full_(p, seeded_value(seed, fqn, p.shape, std_rule(fqn, n_layers)))
+    return default_init_std(fqn, n_layers)

@@ -1,0 +1,121 @@
+"""Every private torch name pp_tp uses, behind one door (tested on torch 2.13).
+
+Each entry says why pp_tp needs it and which public API would replace it. When torch changes one of
+these, this file is the only place to mend; nothing else in pp_tp imports a private torch name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+# The planner's shape-only forward. Public replacement: torch._subclasses has none yet.
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401
+
+# An in-flight functional collective and its wait: a TP all-reduce can still be pending when a stage
+# returns, and a stage boundary must carry a finished plain tensor. Public: torch.distributed's
+# functional collectives API, still under a private module name.
+from torch.distributed._functional_collectives import AsyncCollectiveTensor, wait_tensor  # noqa: F401
+
+# Pipelining actions and the runtime schedule: needed to load CSV schedules and to rewrite the
+# UNSHARD/RESHARD actions (pytorch#164756). Public replacement: none yet (torch exports only the
+# schedule classes).
+from torch.distributed.pipelining.schedules import (  # noqa: F401  (re-exported)
+    _Action as Action,
+)
+from torch.distributed.pipelining.schedules import (
+    _PipelineScheduleRuntime as PipelineScheduleRuntime,
+)
+
+# Tells tensor subclasses (DTensor & co.) from plain tensors. Public replacement: none.
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass  # noqa: F401
+
+# Flattens collective arguments in the comm ledger. Public: torch.utils.pytree (experimental).
+from torch.utils._pytree import tree_flatten  # noqa: F401
+
+
+def load_csv_schedule(schedule: PipelineScheduleRuntime, path: str) -> None:
+    """Reads a torch action CSV into a runtime schedule. Public replacement: none (torch's own tests use it)."""
+    schedule._load_csv(path)
+
+
+def fake_store() -> Any:
+    """A store for torch's `fake` process-group backend (registers the backend on import).
+    Public replacement: none; it lives in torch.testing._internal."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def resolve_process_group(arg: Any) -> Any:
+    """A process group from a group name (functional collectives pass names). Public replacement: none."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(arg)
+
+
+def process_group_type() -> type:
+    """The C++ ProcessGroup class, to recognise group arguments. Public: torch.distributed.ProcessGroup."""
+    from torch._C._distributed_c10d import ProcessGroup
+
+    return ProcessGroup
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard without an autograd view (to_local() would make one). Public: to_local()."""
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def child_modules(module: nn.Module) -> dict[str, nn.Module]:
+    """A module's direct children by name, including None entries. Public: named_children() skips None."""
+    return module._modules
+
+
+def is_persistent_buffer(module: nn.Module, name: str) -> bool:
+    """Whether a buffer goes into state_dict. Public replacement: none (register_buffer's flag is not exposed)."""
+    return name not in module._non_persistent_buffers_set
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether Module.compile() ran on it. Public replacement: none."""
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
+
+
+def copy_forward_hooks(old: nn.Module, new: nn.Module) -> None:
+    """Moves forward hooks onto a module that replaces `old` (torchao swaps Linear objects after TP
+    registered hooks on them). Public replacement: none (hooks are only removable by handle)."""
+    for hooks in _HOOK_DICTS:
+        getattr(new, hooks).update(getattr(old, hooks))
+
+
+Wrap = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+def patch_schedule_timing(schedule: Any, wrap_loss: Wrap, wrap_p2p_wait: Wrap) -> Callable[[], None]:
+    """Wraps a schedule's loss computation and torch's p2p wait for the timeline; returns the undo.
+    Public replacement: none (the schedules expose no hooks)."""
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    schedule._maybe_compute_loss = wrap_loss(schedule._maybe_compute_loss)
+    wait = torch_schedules._wait_batch_p2p
+    torch_schedules._wait_batch_p2p = wrap_p2p_wait(wait)
+
+    def undo() -> None:
+        torch_schedules._wait_batch_p2p = wait
+        del schedule.__dict__["_maybe_compute_loss"]
+
+    return undo

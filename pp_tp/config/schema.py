@@ -1,0 +1,131 @@
+"""The job's schema: one dataclass per TOML section, and the allowed values and bounds of its keys."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pp_tp.models.reference.model import ModelArgs
+
+
+@dataclass
+class ModelConfig(ModelArgs):
+    """The reference Transformer's shape (`[model]`); `kind = "hf_llama"` builds a HF LlamaForCausalLM of it."""
+
+    kind: str = "reference"
+    seed: int = 0
+
+
+@dataclass
+class ParallelConfig:
+    pp: int = 1
+    tp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    schedule: str = "1F1B"
+    microbatches: int = 1
+    stages_per_rank: int | None = None  # None: from the schedule (schedules.registry.default_stages_per_rank)
+    split: str = "even"
+    layers_per_stage: list[int] | None = None
+    stage_fqns: list[list[str]] | None = None
+    split_embed_weight: float = 1.0
+    split_head_weight: float = 1.0
+    fsdp_reshard_after_forward: str | int = "default"
+    mixed_precision: str = "bf16"
+    activation_checkpoint: str = "none"
+    compile: bool = False
+    compile_backend: str = "inductor"  # torch.compile backend; "aot_eager" compiles fast (CPU tests)
+    float8: bool = False
+    embedding: str = "replicate"
+    loss_parallel: bool = False
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def num_stages(self) -> int:
+        """Stages in the pipeline; needs a resolved config (`resolve_parallel` fills stages_per_rank)."""
+        return self.pp * self.stages_per_rank
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 10
+    batch_size: int = 8
+    seq_len: int = 64
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 2
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    max_norm: float = 1.0
+    seed: int = 0
+    log_every: int = 1
+    metrics_file: str = ""
+    comm_timeout_s: float = 300.0
+
+
+@dataclass
+class DataConfig:
+    source: str = "synthetic"
+    path: str = ""
+
+
+@dataclass
+class CheckpointConfig:
+    enable: bool = False
+    folder: str = "checkpoints"
+    interval: int = 0
+    keep: int = 2
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+# Allowed strings per section and key. A str|int field (fsdp_reshard_after_forward) is checked here
+# only when it holds a string.
+CHOICES: dict[str, dict[str, tuple[str, ...]]] = {
+    "model": {"kind": ("reference", "hf_llama")},
+    "parallel": {
+        "split": ("even", "weighted", "balanced", "layers_per_stage", "explicit"),
+        "fsdp_reshard_after_forward": ("default", "always", "never"),
+        "mixed_precision": ("bf16", "fp32"),
+        "activation_checkpoint": ("none", "full", "selective"),
+        "embedding": ("replicate", "vocab_parallel"),
+    },
+    "data": {"source": ("synthetic", "text")},
+}
+
+# (key, lower bound, whether the bound itself is allowed). dp_shard (-1 allowed) has its own check.
+BOUNDS: dict[str, tuple[tuple[str, float, bool], ...]] = {
+    "model": tuple(
+        (k, 1, True) for k in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len")
+    ),
+    "parallel": (
+        ("pp", 1, True),
+        ("tp", 1, True),
+        ("dp_replicate", 1, True),
+        ("microbatches", 1, True),
+        ("stages_per_rank", 1, True),
+        ("split_embed_weight", 0, True),
+        ("split_head_weight", 0, True),
+    ),
+    "training": (
+        ("steps", 1, True),
+        ("batch_size", 1, True),
+        ("seq_len", 1, True),
+        ("lr", 0, False),
+        ("warmup_steps", 0, True),
+    ),
+    "checkpoint": (("interval", 0, True),),
+}
+
+# The split that needs a per-stage list, and that list's key.
+SPLIT_ARGS = {"layers_per_stage": "layers_per_stage", "explicit": "stage_fqns"}

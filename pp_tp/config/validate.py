@@ -1,0 +1,146 @@
+"""Cross-key and cross-section checks on the config alone, before any process group or model exists."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from pp_tp.config.fields import checked
+from pp_tp.config.schema import SPLIT_ARGS, DataConfig, JobConfig, ParallelConfig, TrainingConfig
+from pp_tp.errors import ConfigError
+from pp_tp.schedules.registry import check_schedule, default_stages_per_rank
+
+
+def validate(cfg: JobConfig, world_size: int | None = None) -> JobConfig:
+    """Checks every section and their combinations on the config alone; returns a resolved copy.
+
+    What needs the model itself (shapes TP must divide, layer counts, tied weights, plans) is checked by
+    `pp_tp.preflight`, which `build_pipeline` and every CLI command run on the (meta) model.
+
+    `world_size` None means env WORLD_SIZE if set, else the product of the degrees. The first failure
+    raises ConfigError with one line naming the key, the value and the fix.
+    """
+    parallel = resolve_parallel(cfg.parallel, world_size)
+    return JobConfig(
+        model=checked("model", cfg.model),
+        parallel=parallel,
+        training=_check_training(cfg.training, parallel),
+        data=_check_data(cfg.data),
+        checkpoint=checked("checkpoint", cfg.checkpoint),
+    )
+
+
+def resolve_parallel(pcfg: ParallelConfig, world_size: int | None = None) -> ParallelConfig:
+    """Checks `[parallel]` on its own (types, degrees vs world size, enums, schedule, split lists).
+
+    Returns a copy with dp_shard = -1 replaced by the rest of the world and stages_per_rank filled from
+    the schedule when unset; `world_size` None as in `validate`.
+    """
+    p = checked("parallel", pcfg)
+    if p.dp_shard < 1 and p.dp_shard != -1:
+        raise ConfigError(
+            f"parallel.dp_shard = {p.dp_shard} must be >= 1, or -1 for the rest of the world; "
+            "set parallel.dp_shard = -1"
+        )
+    spr = p.stages_per_rank if p.stages_per_rank is not None else default_stages_per_rank(p.schedule, p.pp)
+    p = dataclasses.replace(p, dp_shard=resolve_dp_shard(p, _world_size(p, world_size)), stages_per_rank=spr)
+    _check_reshard_group(p)
+    check_schedule(p.pp, p.stages_per_rank, p.microbatches, p.schedule, p.fsdp_reshard_after_forward)
+    _check_split_lists(p)
+    return p
+
+
+def _world_size(p: ParallelConfig, world_size: int | None) -> int:
+    if world_size is None:
+        env = os.environ.get("WORLD_SIZE")
+        if env is None:
+            return p.pp * p.tp * p.dp_replicate * max(p.dp_shard, 1)
+        if not env.strip().isdigit():
+            raise ConfigError(
+                f"environment WORLD_SIZE = {env!r} is not an integer; unset it or set it to the number of ranks"
+            )
+        world_size = int(env)
+    if world_size < 1:
+        raise ConfigError(f"world size {world_size} must be >= 1; pass the number of ranks (--world-size N)")
+    return world_size
+
+
+def resolve_dp_shard(p: ParallelConfig, world: int) -> int:
+    """dp_shard for a world of `world` ranks (-1: the rest); refuses degrees whose product is not the world."""
+    others = p.pp * p.tp * p.dp_replicate
+    degrees = f"pp*tp*dp_replicate = {p.pp}*{p.tp}*{p.dp_replicate} = {others}"
+    if p.dp_shard == -1:
+        if world % others:
+            raise ConfigError(
+                f"parallel.dp_shard = -1 cannot fill world size {world}: {degrees} does not divide it; "
+                "change parallel.pp, parallel.tp or parallel.dp_replicate so that their product "
+                f"divides {world}"
+            )
+        return world // others
+    if others * p.dp_shard != world:
+        fix = (
+            f"set parallel.dp_shard = {world // others} (or -1)"
+            if world % others == 0
+            else f"change parallel.pp, parallel.tp or parallel.dp_replicate so that their product divides {world}"
+        )
+        raise ConfigError(
+            f"parallel.dp_shard = {p.dp_shard}: {degrees} times dp_shard is {others * p.dp_shard} "
+            f"but the world size is {world}; {fix}"
+        )
+    return p.dp_shard
+
+
+def _check_reshard_group(p: ParallelConfig) -> None:
+    r = p.fsdp_reshard_after_forward
+    if isinstance(r, int) and (r < 1 or p.dp_shard % r):
+        raise ConfigError(
+            f"parallel.fsdp_reshard_after_forward = {r} must be an integer >= 1 dividing "
+            f"parallel.dp_shard = {p.dp_shard} (the group size to reshard to); "
+            f'use a divisor of {p.dp_shard}, or "default", "always", "never"'
+        )
+
+
+def _check_split_lists(p: ParallelConfig) -> None:
+    """The per-stage list a split needs: present, one entry per stage, sane entries."""
+    key = SPLIT_ARGS.get(p.split)
+    value = getattr(p, key) if key else None
+    n = p.num_stages
+    if key and value is None:
+        raise ConfigError(
+            f"parallel.split = {p.split!r} needs parallel.{key} with one entry per stage ({n}); "
+            f"add parallel.{key} or choose another parallel.split"
+        )
+    if key and len(value) != n:
+        raise ConfigError(
+            f"parallel.{key} has {len(value)} entries but there are {n} stages "
+            f"(parallel.pp * parallel.stages_per_rank); give exactly {n}"
+        )
+    if any(count < 0 for count in p.layers_per_stage or ()):
+        raise ConfigError(
+            f"parallel.layers_per_stage = {p.layers_per_stage} has a negative count; make every count >= 0"
+        )
+    for stage, fqns in enumerate(p.stage_fqns or ()):
+        if not fqns:
+            raise ConfigError(f"parallel.stage_fqns[{stage}] is empty; give every stage at least one module FQN")
+
+
+def _check_training(training: TrainingConfig, p: ParallelConfig) -> TrainingConfig:
+    t = checked("training", training)
+    multiple = p.dp * p.microbatches
+    if t.batch_size % multiple:
+        raise ConfigError(
+            f"training.batch_size = {t.batch_size} gives a local batch of {t.batch_size / p.dp:g} "
+            f"per DP rank (dp = {p.dp}), which does not split into parallel.microbatches = "
+            f"{p.microbatches}; set training.batch_size to a multiple of dp * microbatches = {multiple}"
+        )
+    return t
+
+
+def _check_data(data: DataConfig) -> DataConfig:
+    d = checked("data", data)
+    if d.source == "text" and not os.path.isfile(d.path):
+        raise ConfigError(
+            f'data.path = {d.path!r} is not an existing file but data.source = "text" reads it; '
+            'give a text file\'s path or set data.source = "synthetic"'
+        )
+    return d

@@ -1,0 +1,45 @@
+"""A whole job checked before anything starts: the config's own rules, then the model's (pp_tp.preflight).
+
+Every CLI command runs `check_job` before it spawns a rank or builds a mesh, and `build_pipeline` runs
+the same `preflight`, so `pp-tp check` refuses exactly what a run would refuse, with the same line.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from pp_tp.config import JobConfig, load_config, validate
+from pp_tp.data import make_source
+from pp_tp.mesh import device_type
+from pp_tp.models.factory import build_model
+from pp_tp.preflight import Preflight, preflight
+
+
+def check_job(cfg: JobConfig, world_size: int | None = None) -> tuple[JobConfig, Preflight]:
+    """The validated, resolved config and what the model checks found; raises ConfigError on the first refusal."""
+    cfg = validate(cfg, world_size)
+    checked = preflight(build_model(cfg.model, "meta"), cfg.parallel, device_type(), cfg.training.seq_len)
+    make_source(cfg)  # the data source opens and fits the model
+    return cfg, checked
+
+
+def add_job_args(parser: argparse.ArgumentParser) -> None:
+    """--config, --world-size and trailing `section.key=value` overrides: every command that reads a job."""
+    parser.add_argument("--config", required=True, help="TOML job file")
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="number of ranks to check against (default: $WORLD_SIZE, else the product of the degrees)",
+    )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="section.key=value",
+        help="override a TOML value, e.g. parallel.tp=2 parallel.schedule=GPipe",
+    )
+
+
+def load_job(args: argparse.Namespace) -> JobConfig:
+    """The config named by `add_job_args`' arguments, validated on its own (no model checks)."""
+    return load_config(args.config, args.overrides, args.world_size)

@@ -1,0 +1,86 @@
+"""Every check that needs the model, in one place: run by `build_pipeline` before any collective and by
+every CLI command on the meta model, so `pp-tp check` refuses exactly what a run would refuse.
+
+The checks that need only the config live in `pp_tp.config.validate`; the two together are all the
+refusals a job can meet before it starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from pp_tp.config import ParallelConfig
+from pp_tp.errors import ConfigError
+from pp_tp.parallel.float8 import check_float8
+from pp_tp.parallel.tensor_parallel import check_tp_plan
+from pp_tp.stages.layouts import ModelDims, ModelLayout, layout_for
+from pp_tp.stages.plan import StagePlan, plan_stages
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """What the checks found out on the way: the model's layout, its dims and the stage plan."""
+
+    layout: ModelLayout
+    dims: ModelDims
+    plan: StagePlan
+
+
+def check_model_shape(pcfg: ParallelConfig, d: ModelDims) -> None:
+    """Refuses a model shape TP cannot shard evenly (heads, KV heads, FFN, vocabulary)."""
+    _check_divisible("model.dim", d.dim, "model.n_heads", d.n_heads)
+    if (d.dim // d.n_heads) % 2:
+        raise ConfigError(
+            f"model.dim / model.n_heads = {d.dim} / {d.n_heads} = {d.dim // d.n_heads} is an odd "
+            "head_dim; RoPE rotates channel pairs, so pick model.dim and model.n_heads giving an even "
+            "head_dim"
+        )
+    _check_divisible("model.n_heads", d.n_heads, "model.n_kv_heads", d.n_kv_heads)
+    for key, value in (
+        ("model.n_heads", d.n_heads),
+        ("model.n_kv_heads", d.n_kv_heads),
+        ("model.ffn_dim", d.ffn_dim),
+        ("model.vocab_size", d.vocab_size),
+    ):
+        _check_divisible(key, value, "parallel.tp", pcfg.tp)
+
+
+def check_seq_len(seq_len: int, d: ModelDims, key: str = "training.seq_len") -> None:
+    """Refuses sequences longer than the model's positions (rotary tables, position embeddings)."""
+    if seq_len > d.max_seq_len:
+        raise ConfigError(
+            f"{key} = {seq_len} exceeds model.max_seq_len = {d.max_seq_len}; lower {key} or raise model.max_seq_len"
+        )
+
+
+def check_tied(pcfg: ParallelConfig, d: ModelDims) -> None:
+    """Tied input/output embeddings run on one rank only (until the embedding group lands)."""
+    if d.tied and (pcfg.pp > 1 or pcfg.tp > 1 or pcfg.dp > 1):
+        raise ConfigError(
+            "model.tie_embeddings = true: tied input/output embeddings across pipeline stages are "
+            "not supported (nor with tp or dp > 1); set model.tie_embeddings = false or "
+            "parallel.pp = parallel.tp = parallel.dp = 1"
+        )
+
+
+def preflight(model: nn.Module, pcfg: ParallelConfig, device_type: str, seq_len: int | None = None) -> Preflight:
+    """All model-dependent refusals for `model` under a resolved `pcfg`, in one order; no communication."""
+    layout = layout_for(model)
+    d = layout.dims(model)
+    check_model_shape(pcfg, d)
+    if seq_len is not None:
+        check_seq_len(seq_len, d)
+    check_tied(pcfg, d)
+    check_tp_plan(model, layout, pcfg)
+    check_float8(pcfg, device_type)
+    return Preflight(layout, d, plan_stages(model, layout, pcfg, seq_len))
+
+
+def _check_divisible(key: str, value: int, by_key: str, by: int) -> None:
+    if value % by:
+        raise ConfigError(
+            f"{key} = {value} is not divisible by {by_key} = {by}; "
+            f"set {by_key} to a divisor of {value} or {key} to a multiple of {by}"
+        )
