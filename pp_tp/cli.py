@@ -55,14 +55,14 @@ def _check(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_ranks(args: argparse.Namespace, module: str, per_rank_main: Callable[[list[str]], int]) -> int:
+def run_ranks(args: argparse.Namespace, module: str, per_rank_main: Callable[[list[str]], int], data: bool) -> int:
     """Runs a per-rank entry: here under torchrun, or on `--nproc` local ranks spawned through torchrun.
 
     With `--nproc` the whole job is checked against that world size before anything is spawned, so a
     bad config never starts a process group; under torchrun each rank checks it itself.
     """
     if args.nproc:
-        check_job(load_config(args.config, args.overrides, args.nproc), args.nproc)
+        check_job(load_config(args.config, args.overrides, args.nproc), args.nproc, data)
         return launch.run_under_torchrun(args.nproc, module, _without_nproc(args.argv[1:]))
     if "RANK" not in os.environ:
         raise ConfigError(f"pp-tp {args.command}: not under torchrun; pass --nproc N to spawn N local ranks")
@@ -101,7 +101,7 @@ def _add_parity(commands: argparse._SubParsersAction) -> None:
         "parity",
         "compare the job's pipelined build with its non-PP build",
         parity.add_parity_args,
-        lambda args: run_ranks(args, "pp_tp.parity", parity.main),
+        lambda args: run_ranks(args, "pp_tp.parity", parity.main, data=False),
     )
 
 
@@ -111,7 +111,7 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
         "train",
         "train the job (under torchrun, or on --nproc local ranks)",
         add_job_args,
-        lambda args: run_ranks(args, "pp_tp.trainer", trainer.main),
+        lambda args: run_ranks(args, "pp_tp.trainer", trainer.main, data=True),
     )
 
 

@@ -7,19 +7,23 @@ the same `preflight`, so `pp-tp check` refuses exactly what a run would refuse, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from pp_tp.config import JobConfig, load_config, validate
 from pp_tp.data import make_source
 from pp_tp.mesh import device_type
-from pp_tp.models.factory import build_model
+from pp_tp.models.factory import build_model, resolve_model_config
 from pp_tp.preflight import Preflight, preflight
 
 
-def check_job(cfg: JobConfig, world_size: int | None = None) -> tuple[JobConfig, Preflight]:
-    """The validated, resolved config and what the model checks found; raises ConfigError on the first refusal."""
-    cfg = validate(cfg, world_size)
+def check_job(cfg: JobConfig, world_size: int | None = None, data: bool = True) -> tuple[JobConfig, Preflight]:
+    """The validated, resolved config and what the model checks found; raises ConfigError on the first refusal.
+
+    `data`: also open the training data source (`pp-tp parity` feeds its own random batches)."""
+    cfg = validate(dataclasses.replace(cfg, model=resolve_model_config(cfg.model)), world_size)
     checked = preflight(build_model(cfg.model, "meta"), cfg.parallel, device_type(), cfg.training.seq_len)
-    make_source(cfg)  # the data source opens and fits the model
+    if data:
+        make_source(cfg)  # the data source opens and fits the model
     return cfg, checked
 
 
@@ -41,5 +45,7 @@ def add_job_args(parser: argparse.ArgumentParser) -> None:
 
 
 def load_job(args: argparse.Namespace) -> JobConfig:
-    """The config named by `add_job_args`' arguments, validated on its own (no model checks)."""
-    return load_config(args.config, args.overrides, args.world_size)
+    """The config named by `add_job_args`' arguments, validated on its own (no model checks); with
+    `model.hf_path`, its shape keys are config.json's."""
+    cfg = load_config(args.config, args.overrides, args.world_size)
+    return dataclasses.replace(cfg, model=resolve_model_config(cfg.model))

@@ -27,6 +27,7 @@ def _meta(args: ModelArgs = pu.TINY, hf: bool = False):
 def _plan(args=pu.TINY, hf=False, **kw):
     model = _meta(args, hf)
     kw.setdefault("pp", 2)
+    kw.setdefault("microbatches", 16)
     pcfg = resolve_parallel(ParallelConfig(**kw), world_size=kw["pp"])  # as build_pipeline does first
     return model, plan_stages(model, layout_for(model), pcfg)
 

@@ -9,9 +9,12 @@ from pp_tp.models.reference.model import ModelArgs
 
 @dataclass
 class ModelConfig(ModelArgs):
-    """The reference Transformer's shape (`[model]`); `kind = "hf_llama"` builds a HF LlamaForCausalLM of it."""
+    """`[model]`: the reference Transformer's shape; `kind = "hf_llama"` builds a HF LlamaForCausalLM of it;
+    `hf_path = "DIR"` builds any Hugging Face decoder LM from DIR/config.json (its shape keys then come
+    from config.json, and any given beside it must agree)."""
 
     kind: str = "reference"
+    hf_path: str = ""
     seed: int = 0
 
 
@@ -29,12 +32,19 @@ class ParallelConfig:
     stage_fqns: list[list[str]] | None = None
     split_embed_weight: float = 1.0
     split_head_weight: float = 1.0
-    fsdp_reshard_after_forward: str | int = "default"
+    # Either FSDP policy may also be a list with one value per pp rank (what "auto" resolves to).
+    fsdp_reshard_after_forward: str | int | list[str | int] = "default"
+    # "step": one reduce-scatter per unit per step; "microbatch" (= 1) or k: after every k-th backward of a
+    # stage, accumulating sharded; "auto" (with fsdp_reshard_after_forward) picks per stage by memory_budget_gib.
+    fsdp_grad_reduce: str | int | list[str | int] = "step"
+    grad_accum_dtype: str = "fp32"  # the unsharded gradient accumulation between reductions (bf16 training)
+    memory_budget_gib: float | None = None  # per rank; what "auto" fits the policies to
     mixed_precision: str = "bf16"
     activation_checkpoint: str = "none"
     compile: bool = False
     compile_backend: str = "inductor"  # torch.compile backend; "aot_eager" compiles fast (CPU tests)
     float8: bool = False
+    float8_fsdp_all_gather: bool = False  # FSDP all-gathers float8 weights (needs float8, dp_shard > 1, tp = 1)
     embedding: str = "replicate"
     loss_parallel: bool = False
 
@@ -89,13 +99,15 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
-# Allowed strings per section and key. A str|int field (fsdp_reshard_after_forward) is checked here
-# only when it holds a string.
+# Allowed strings per section and key. A str|int field (fsdp_reshard_after_forward, fsdp_grad_reduce) is
+# checked here only when it holds a string.
 CHOICES: dict[str, dict[str, tuple[str, ...]]] = {
     "model": {"kind": ("reference", "hf_llama")},
     "parallel": {
         "split": ("even", "weighted", "balanced", "layers_per_stage", "explicit"),
-        "fsdp_reshard_after_forward": ("default", "always", "never"),
+        "fsdp_reshard_after_forward": ("default", "always", "never", "auto"),
+        "fsdp_grad_reduce": ("step", "microbatch", "auto"),
+        "grad_accum_dtype": ("fp32", "bf16"),
         "mixed_precision": ("bf16", "fp32"),
         "activation_checkpoint": ("none", "full", "selective"),
         "embedding": ("replicate", "vocab_parallel"),
@@ -116,6 +128,7 @@ BOUNDS: dict[str, tuple[tuple[str, float, bool], ...]] = {
         ("stages_per_rank", 1, True),
         ("split_embed_weight", 0, True),
         ("split_head_weight", 0, True),
+        ("memory_budget_gib", 0, False),
     ),
     "training": (
         ("steps", 1, True),

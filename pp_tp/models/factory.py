@@ -2,20 +2,62 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
 from pp_tp.config import ModelConfig
+from pp_tp.errors import ConfigError
+from pp_tp.models.hf.build import hf_causal_lm, hf_config
 from pp_tp.models.reference.model import ModelArgs, Transformer
+from pp_tp.stages.layouts import layout_for
 
 
 def model_args(mcfg: ModelConfig) -> ModelArgs:
-    """The reference Transformer's arguments, without the job-only fields (kind, seed)."""
+    """The reference Transformer's arguments, without the job-only fields (kind, hf_path, seed)."""
     return ModelArgs(**{k: getattr(mcfg, k) for k in ModelArgs.__dataclass_fields__})
 
 
+# [model] keys that describe the shape; with hf_path they come from config.json.
+SHAPE_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len", "tie_embeddings")
+
+
+def resolve_model_config(mcfg: ModelConfig) -> ModelConfig:
+    """With `hf_path`, a copy whose shape keys are config.json's (read through the model's own layout);
+    a shape key given beside hf_path that contradicts config.json is one line. Unchanged otherwise."""
+    if not mcfg.hf_path:
+        return mcfg
+    if mcfg.kind != "reference":
+        raise ConfigError(f"model.kind = {mcfg.kind!r} and model.hf_path both choose the model; drop model.kind")
+    model = build_model(mcfg, "meta")
+    d = layout_for(model).dims(model)
+    found = {
+        "vocab_size": d.vocab_size,
+        "dim": d.dim,
+        "n_layers": d.n_layers,
+        "n_heads": d.n_heads,
+        "n_kv_heads": d.n_kv_heads,
+        "ffn_dim": d.ffn_dim,
+        "max_seq_len": d.max_seq_len,
+        "tie_embeddings": d.tied,
+    }
+    defaults = ModelConfig()
+    for key in SHAPE_KEYS:
+        given = getattr(mcfg, key)
+        if given != getattr(defaults, key) and given != found[key]:
+            raise ConfigError(
+                f"model.{key} = {given} contradicts {mcfg.hf_path}/config.json ({found[key]}); "
+                f"drop model.{key} (hf_path sets the shape)"
+            )
+    return dataclasses.replace(mcfg, **found)
+
+
 def build_model(mcfg: ModelConfig, device: str | torch.device = "meta") -> nn.Module:
-    """`kind = "reference"`: our Transformer; `kind = "hf_llama"`: a transformers LlamaForCausalLM of the same shape."""
+    """`hf_path`: the Hugging Face causal LM of DIR/config.json; `kind = "reference"`: our Transformer;
+    `kind = "hf_llama"`: a transformers LlamaForCausalLM of the same shape."""
+    if mcfg.hf_path:
+        return hf_causal_lm(hf_config(mcfg.hf_path), device)
     args = model_args(mcfg)
     if mcfg.kind == "hf_llama":
         from transformers import LlamaConfig, LlamaForCausalLM

@@ -7,6 +7,7 @@ because it depends only on (seed, FQN)) or from a full state dict keyed by FQN.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 
 import torch
@@ -15,6 +16,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
+from pp_tp.hf_checkpoint.load import load_stage
+from pp_tp.hf_checkpoint.source import HFSource
 from pp_tp.parallel.apply import parallelize_stage
 from pp_tp.seeded_init import seeded_value
 from pp_tp.stages.layouts import ModelLayout
@@ -23,12 +26,12 @@ from pp_tp.stages.stage_module import StageModule
 from pp_tp.tensor_utils import copy_full_
 
 
-def _capture_weights(stage: nn.Module) -> dict[str, torch.Tensor] | None:
-    """A model handed over with real weights: keep them by FQN, then treat the stage like a meta one."""
+def _capture_weights(stage: StageModule) -> dict[str, torch.Tensor] | None:
+    """A model handed over with real weights: keep them by canonical FQN, then treat the stage like a meta one."""
     named = dict(stage.named_parameters())
     if not named or all(p.is_meta for p in named.values()):
         return None
-    weights = {k: p.detach().clone() for k, p in named.items()}
+    weights = {stage.checkpoint_keys[k]: p.detach().clone() for k, p in named.items()}
     stage.to_empty(device="meta")
     return weights
 
@@ -39,7 +42,8 @@ def fill_stage(stage: StageModule, model: nn.Module, seed: int, state_dict: Mapp
     layout = stage.layout
     layout.init_buffers(stage, model)
     n_layers = layout.dims(model).n_layers
-    for fqn, p in stage.named_parameters():
+    for name, p in stage.named_parameters():
+        fqn = stage.checkpoint_keys[name]  # a tied copy takes its value under the canonical name
         if state_dict is None:
             full = seeded_value(seed, fqn, p.shape, layout.init_std(fqn, n_layers))
         elif fqn in state_dict:
@@ -61,6 +65,8 @@ def build_local_stages(
     device: torch.device,
     seed: int = 0,
     state_dict: Mapping[str, torch.Tensor] | None = None,
+    checkpoint: HFSource | None = None,
+    casts: Counter | None = None,
 ) -> list[StageModule]:
     """This rank's stage modules: pruned, parallelized (TP -> float8 -> AC -> compile -> FSDP), materialized, filled."""
     stages = []
@@ -69,6 +75,10 @@ def build_local_stages(
         weights = _capture_weights(stage)
         parallelize_stage(stage, mesh, pcfg)
         stage.to_empty(device=device)
-        fill_stage(stage, model, seed, weights if weights is not None else state_dict)
+        if checkpoint is not None:  # an HF checkpoint: only this rank's slices are read
+            stage.layout.init_buffers(stage, model)
+            load_stage(stage, checkpoint, casts)
+        else:
+            fill_stage(stage, model, seed, weights if weights is not None else state_dict)
         stages.append(stage)
     return stages

@@ -47,6 +47,14 @@ class StageModule(nn.Module):
         self.spec = spec
         for fqn in spec.fqns + list(layout.shared):
             _attach(self, model, fqn)
+        # Each local parameter name -> the model's canonical key for its value (seeded init, checkpoints): a tied
+        # weight has several names in the model, and its canonical one is the first the full model lists.
+        canonical: dict[int, str] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            canonical.setdefault(id(p), name)
+        self.checkpoint_keys: dict[str, str] = {
+            name: canonical[id(p)] for name, p in self.named_parameters(remove_duplicate=False)
+        }
 
     @property
     def is_first(self) -> bool:
