@@ -34,7 +34,7 @@ REFUSED = [
     (["parallel.split=layers_per_stage", "parallel.layers_per_stage=[1, 1]"], 4),
     (['parallel.split="explicit"', 'parallel.stage_fqns=[["tok_embeddings", "layers.0"], ["norm", "output"]]'], 4),
     (["training.seq_len=999"], 4),
-    (["parallel.float8=true"], 4),
+    (["parallel.float8=true", "parallel.float8_fsdp_all_gather=true"], 4),
 ]
 
 

@@ -1,16 +1,12 @@
 """The per-stage passes and their order (TP -> float8 -> AC -> compile -> FSDP): activation checkpointing
-really recomputes and keeps names, compile keeps names, float8 picks the right Linear layers (of the
-TP-sharded stage), keeps TP's hooks and is refused where it cannot run, and each pass sees what the
-previous ones made.
-
-torchao is not installable here and float8 matmuls need an NVIDIA GPU of compute capability >= 8.9,
-so on CPU a fake converter (same math) stands in; the real conversion runs only on such a GPU.
+really recomputes and keeps names, compile keeps names, and each pass sees what the previous ones made
+(float8 through the real torchao converts the TP-sharded Linear layers; tests/test_float8.py has the rest
+of float8). A wrong order fails test_a_wrong_pass_order_fails_the_order_check.
 """
 
 from __future__ import annotations
 
 import copy
-import importlib.util
 from dataclasses import replace
 
 import parity_utils as pu
@@ -24,7 +20,7 @@ from pp_tp._torch import is_compiled
 from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
 from pp_tp.models.reference import REFERENCE
-from pp_tp.parallel import apply, float8
+from pp_tp.parallel import apply
 from pp_tp.parallel.activation_checkpoint import apply_activation_checkpoint, is_checkpointed
 from pp_tp.parallel.compile import apply_compile
 from pp_tp.stages.layouts import layout_for
@@ -33,20 +29,6 @@ from pp_tp.stages.stage_module import StageModule
 
 ATTN_LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo")
 FFN_LINEARS = ("feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
-
-
-class FakeFloat8Linear(nn.Linear):
-    """Stands in for torchao's Float8Linear on CPU: a new module object with the same math and parameters."""
-
-    @classmethod
-    def from_float(cls, mod: nn.Linear) -> FakeFloat8Linear:
-        new = cls(mod.in_features, mod.out_features, bias=mod.bias is not None, device="meta")
-        new.weight, new.bias = mod.weight, mod.bias
-        return new
-
-
-def fake_converter(pcfg: ParallelConfig):
-    return FakeFloat8Linear.from_float
 
 
 def whole_stage(model: nn.Module, layout=None, **kw) -> tuple[StageModule, ParallelConfig]:
@@ -109,94 +91,6 @@ def test_compile_is_per_block_and_keeps_names():
     assert [n for n, _ in stage.named_parameters()] == names
 
 
-# --- float8 ----------------------------------------------------------------------------------------
-
-
-def test_float8_filter_dims_divisible_by_16_never_the_head():
-    stage, _ = whole_stage(pu.make_model(device="meta"))
-    assert float8.float8_fqns(stage) == [f"layers.{i}.{m}" for i in range(4) for m in ATTN_LINEARS + FFN_LINEARS]
-    assert stage.output.weight.shape[0] % 16 == 0  # the head would qualify by shape: it is left out by name
-    odd, _ = whole_stage(pu.make_model(replace(pu.TINY, ffn_dim=40), device="meta"))
-    assert float8.float8_fqns(odd) == [f"layers.{i}.{m}" for i in range(4) for m in ATTN_LINEARS]
-
-
-def test_float8_swap_keeps_names_params_and_hooks(monkeypatch):
-    monkeypatch.setattr(float8, "CONVERTER", fake_converter)
-    ref_model, model = _twin_models()
-    ref, _ = whole_stage(ref_model)
-    stage, pcfg = whole_stage(model, float8=True)
-    assert float8.apply_float8(stage, None, replace(pcfg, float8=False)) is False
-    wq = stage.get_submodule("layers.0.attention.wq")
-    weight = wq.weight
-    calls = []
-    wq.register_forward_pre_hook(lambda mod, args: calls.append(type(mod).__name__))  # as TP's styles do
-    names = [n for n, _ in stage.named_parameters()]
-    assert float8.apply_float8(stage, None, pcfg) is True
-    new = stage.get_submodule("layers.0.attention.wq")
-    assert isinstance(new, FakeFloat8Linear) and new.weight is weight
-    assert not isinstance(stage.output, FakeFloat8Linear)
-    assert [n for n, _ in stage.named_parameters()] == names
-    ids = torch.randint(0, pu.TINY.vocab_size, (2, 12))
-    torch.testing.assert_close(stage(ids), ref(ids))
-    assert calls == ["FakeFloat8Linear"]
-
-
-def test_float8_all_gather_only_with_fsdp_and_without_tp():
-    assert float8.float8_all_gather(ParallelConfig(dp_shard=2, mixed_precision="fp32"))
-    assert not float8.float8_all_gather(ParallelConfig(dp_shard=2, tp=2, mixed_precision="fp32"))
-    assert not float8.float8_all_gather(ParallelConfig(dp_shard=1, mixed_precision="fp32"))
-
-
-def test_float8_is_refused_where_it_cannot_run(monkeypatch):
-    pcfg = ParallelConfig(float8=True)
-    float8.check_float8(replace(pcfg, float8=False), "cpu")
-    if importlib.util.find_spec("torchao") is None:
-        with pytest.raises(ConfigError, match=r"^parallel\.float8 = true needs torchao[^\n]*$"):
-            float8.check_float8(pcfg, "cpu")
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: object() if name == "torchao" else real_find_spec(name, *a)
-    )
-    with pytest.raises(ConfigError, match=r"^parallel\.float8 = true needs an NVIDIA GPU[^\n]*a CPU"):
-        float8.check_float8(pcfg, "cpu")
-
-
-def build_refuses_float8_case() -> str:
-    pcfg = pu.pcfg_of(pp=2, dp_shard=2, schedule="1F1B", microbatches=2, float8=True)
-    try:
-        pu.pp_tp.build_pipeline(pu.make_model(device="meta"), pu.mesh_for(pcfg), pcfg)
-    except ConfigError as e:
-        return str(e)
-    return "built"
-
-
-@pytest.mark.skipif(
-    torch.cuda.is_available() and importlib.util.find_spec("torchao") is not None, reason="float8 can run here"
-)
-def test_build_pipeline_refuses_float8_on_this_machine(world):
-    for message in world(4).run(build_refuses_float8_case):
-        assert message.startswith("parallel.float8 = true needs"), message
-
-
-@pytest.mark.skipif(
-    not (
-        torch.cuda.is_available()
-        and torch.cuda.get_device_capability() >= (8, 9)
-        and importlib.util.find_spec("torchao") is not None
-    ),
-    reason="GPU-only: needs torchao and an NVIDIA GPU of compute capability >= 8.9",
-)
-def test_float8_real_torchao_conversion_on_gpu():
-    ref_model, model = _twin_models(replace(pu.TINY, dim=64, n_heads=4, n_kv_heads=4, ffn_dim=128))
-    ref, _ = whole_stage(ref_model.cuda().bfloat16())
-    stage, pcfg = whole_stage(model.cuda().bfloat16(), float8=True)
-    assert float8.apply_float8(stage, None, pcfg)
-    assert type(stage.get_submodule("layers.0.attention.wq")).__name__ == "Float8Linear"
-    ids = torch.randint(0, pu.TINY.vocab_size, (4, 32), device="cuda")
-    out, want = stage(ids).float(), ref(ids).float()
-    assert pu.rel_err(out, want) < 0.1
-
-
 # --- the order of the passes -----------------------------------------------------------------------
 
 
@@ -204,15 +98,20 @@ def _snapshot(stage: StageModule) -> dict:
     block = stage.blocks()[0]
     return {
         "tp_sharded": isinstance(block.attention.wq.weight, DTensor),
-        "float8": sum(isinstance(m, FakeFloat8Linear) for m in block.modules()),
+        "float8": sum(_is_float8(m) for m in block.modules()),
         "checkpointed": is_checkpointed(block),
         "compiled": is_compiled(block),
         "fsdp": isinstance(block, FSDPModule) and isinstance(stage, FSDPModule),
     }
 
 
-def pass_order_case() -> dict:
-    """Runs parallelize_stage with every pass on (pp1 x tp2 x dp2), recording what each pass finds on entry."""
+def _is_float8(m: nn.Module) -> bool:
+    return type(m).__name__ == "Float8Linear"
+
+
+def pass_order_case(order: tuple[str, ...] = ()) -> dict:
+    """Runs parallelize_stage with every pass on (pp1 x tp2 x dp2), recording what each pass finds on entry;
+    `order` (pass names) runs them in another order, to show the check below catches it."""
     pcfg = pu.pcfg_of(
         tp=2, dp_shard=2, schedule="1F1B", microbatches=2, float8=True, activation_checkpoint="full", compile=True
     )
@@ -224,70 +123,61 @@ def pass_order_case() -> dict:
     def recording(name, fn):
         def run(stage, mesh, pcfg):
             seen.append((name, _snapshot(stage)))
-            return fn(stage, mesh, pcfg)
+            changed = fn(stage, mesh, pcfg)
+            if name == "float8":
+                w = [m.weight for m in stage.modules() if _is_float8(m)]
+                converted.extend((type(p).__name__, tuple(getattr(p, "_local_tensor", p).shape)) for p in w)
+            return changed
 
         return run
 
-    def converter(pcfg):
-        def convert(mod):
-            w = mod.weight
-            converted.append((type(w).__name__, tuple(w.to_local().shape)))
-            return FakeFloat8Linear.from_float(mod)
-
-        return convert
-
-    passes, conv = apply.PASSES, float8.CONVERTER
-    apply.PASSES = tuple((name, recording(name, fn)) for name, fn in passes)
-    float8.CONVERTER = converter
+    passes = apply.PASSES
+    by_name = dict(passes)
+    apply.PASSES = tuple((name, recording(name, by_name[name])) for name in (order or [n for n, _ in passes]))
     try:
         changed = apply.parallelize_stage(stage, pu.mesh_for(pcfg), pcfg)
     finally:
-        apply.PASSES, float8.CONVERTER = passes, conv
+        apply.PASSES = passes
     return {
         "seen": seen,
         "after": _snapshot(stage),
         "changed": changed,
         "converted": converted,
-        "fqns": [fqn for fqn, m in stage.named_modules() if isinstance(m, FakeFloat8Linear)],
+        "fqns": [fqn for fqn, m in stage.named_modules() if _is_float8(m)],
     }
 
 
 ORDER = ["tp", "float8", "activation_checkpoint", "compile", "fsdp"]
 
 
+def check_order(r: dict) -> None:
+    """What each pass must find on entry: TP shards first, float8 converts TP's shards, AC wraps the converted
+    block, compile sees the checkpointed block, FSDP shards the compiled, checkpointed block."""
+    assert [name for name, _ in r["seen"]] == ORDER and r["changed"] == ORDER
+    seen = dict(r["seen"])
+    off = {"tp_sharded": False, "float8": 0, "checkpointed": False, "compiled": False, "fsdp": False}
+    assert seen["tp"] == off
+    assert seen["float8"] == {**off, "tp_sharded": True}
+    assert seen["activation_checkpoint"] == {**seen["float8"], "float8": 2}
+    assert seen["compile"] == {**seen["activation_checkpoint"], "checkpointed": True}
+    assert seen["fsdp"] == {**seen["compile"], "compiled": True}
+    assert r["after"] == {**seen["fsdp"], "fsdp": True}
+    # float8 judged the TP-local shapes: of wq [16,32] wk/wv [8,32] wo [32,16] w1/w3 [24,32] w2 [32,24]
+    # only wq and wo have both dims divisible by 16 (unsharded, all seven would qualify).
+    assert r["fqns"] == [f"layers.{i}.attention.{w}" for i in range(4) for w in ("wq", "wo")]
+    assert r["converted"] == [("DTensor", (16, 32)), ("DTensor", (32, 16))] * 4
+
+
 def test_passes_run_in_order_and_each_sees_the_previous(world):
     for r in world(4).run(pass_order_case):
-        assert [name for name, _ in r["seen"]] == ORDER and r["changed"] == ORDER
-        seen = dict(r["seen"])
-        # what each pass finds on entry: TP shards first, float8 converts TP's shards, AC wraps the converted
-        # block, compile sees the checkpointed block, FSDP shards the compiled, checkpointed block.
-        off = {"tp_sharded": False, "float8": 0, "checkpointed": False, "compiled": False, "fsdp": False}
-        assert seen["tp"] == off
-        assert seen["float8"] == {**off, "tp_sharded": True}
-        assert seen["activation_checkpoint"] == {**seen["float8"], "float8": 2}
-        assert seen["compile"] == {**seen["activation_checkpoint"], "checkpointed": True}
-        assert seen["fsdp"] == {**seen["compile"], "compiled": True}
-        assert r["after"] == {**seen["fsdp"], "fsdp": True}
-        # float8 judged the TP-local shapes: of wq [16,32] wk/wv [8,32] wo [32,16] w1/w3 [24,32] w2 [32,24]
-        # only wq and wo have both dims divisible by 16 (unsharded, all seven would qualify).
-        assert r["fqns"] == [f"layers.{i}.attention.{w}" for i in range(4) for w in ("wq", "wo")]
-        assert r["converted"] == [("DTensor", (16, 32)), ("DTensor", (32, 16))] * 4
+        check_order(r)
 
 
-def float8_tp_parity_case() -> list[dict]:
-    """A full build with the fake float8 converter on TP-sharded, checkpointed, FSDP-wrapped stages."""
-    from pp_tp import preflight
-
-    check, conv = preflight.check_float8, float8.CONVERTER
-    preflight.check_float8, float8.CONVERTER = (lambda pcfg, device_type: None), fake_converter
-    try:
-        pcfg = pu.pcfg_of(
-            tp=2, dp_shard=2, schedule="1F1B", microbatches=2, float8=True, activation_checkpoint="selective"
-        )
-        return pu.compare(pcfg, steps=3)
-    finally:
-        preflight.check_float8, float8.CONVERTER = check, conv
-
-
-def test_float8_swap_keeps_tp_hooks_in_a_full_build(world):
-    pu.assert_parity(world(4).run(float8_tp_parity_case))
+def test_a_wrong_pass_order_fails_the_order_check(world):
+    """float8 before TP converts all seven Linear layers by their unsharded shapes, five of whose TP shards
+    a float8 GPU matmul refuses (dims not divisible by 16)."""
+    wrong = ("float8", "tp", "activation_checkpoint", "compile", "fsdp")
+    for r in world(4).run(pass_order_case, wrong):
+        assert len(r["fqns"]) == 4 * 7
+        with pytest.raises(AssertionError):
+            check_order(r)

@@ -45,6 +45,7 @@ class ParallelConfig:
     compile_backend: str = "inductor"  # torch.compile backend; "aot_eager" compiles fast (CPU tests)
     float8: bool = False
     float8_fsdp_all_gather: bool = False  # FSDP all-gathers float8 weights (needs float8, dp_shard > 1, tp = 1)
+    float8_fsdp_all_gather: bool = False  # FSDP all-gathers float8 weights (needs float8, dp_shard > 1, tp = 1)
     embedding: str = "replicate"
     loss_parallel: bool = False
 

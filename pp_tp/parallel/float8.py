@@ -1,20 +1,26 @@
-"""Float8 training through torchao (`parallel.float8 = true`): Linear -> Float8Linear after TP, before AC/FSDP.
+"""Float8 training through torchao (`parallel.float8 = true`): Linear -> torchao Float8Linear after TP, before AC/FSDP.
 
 Converted: every nn.Linear of the stage whose local (TP-sharded) weight has both dims divisible by 16
-(float8 matmuls need that), never the output head (its logits feed the loss and are precision-
-sensitive). FSDP's float8 all-gather is on only without TP: it wraps the weight in a tensor subclass
-of torchao's, and under TP the weight already is a DTensor.
+(float8 matmuls need that), never the output head (its logits feed the loss and are precision-sensitive)
+nor the embedding (not a Linear). Scaling is torchao's default: dynamic, tensorwise, e4m3 for inputs
+and weights, e5m2 for output gradients.
 
-The swap keeps the module's forward hooks (home-made, one reason: torchao replaces the module object,
-which would drop the input/output hooks TP's parallel styles registered on the Linear).
-Refused at build time (check_float8) where torchao is missing or the GPU cannot run float8 matmuls.
+TP styles: pp_tp's TP has no sequence parallel, so the plain torch Colwise/Rowwise styles are kept.
+torchao's Float8ColwiseParallel / Float8RowwiseParallel only move the input cast before an SP
+all-gather (so the activation is gathered in float8); without SP there is no such gather. On a
+TP-sharded DTensor weight, Float8Linear takes the amax over the whole weight (one all-reduce), so the
+float8 values equal the unsharded model's (tests/test_float8.py measures it).
+
+The swap keeps the module's forward hooks (home-made, one reason: torchao's swap replaces the module
+object, which would drop the input/output hooks TP's parallel styles registered on the Linear).
+`parallel.float8_fsdp_all_gather = true` makes FSDP all-gather the weights in float8 (torchao's
+WeightWithDynamicFloat8CastTensor); it needs FSDP and no TP (under TP the weight already is a DTensor).
+Refused before any collective (check_float8) where torchao is missing or a GPU cannot run float8 matmuls.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib.util
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -23,7 +29,6 @@ from torch.distributed.tensor import DTensor
 
 from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
-from pp_tp.parallel.fsdp import uses_fsdp
 
 _HOOK_DICTS = (
     "_forward_pre_hooks",
@@ -35,37 +40,25 @@ _HOOK_DICTS = (
 
 
 def check_float8(pcfg: ParallelConfig, device_type: str) -> None:
-    """Refuses `parallel.float8 = true` without torchao or without a GPU of compute capability >= 8.9."""
-    if not pcfg.float8:
+    """Refuses float8 without torchao, on a CUDA GPU of compute capability < 8.9, and FSDP float8
+    all-gather without FSDP or with TP. CPU runs torchao's float8 matmuls (emulated, slowly)."""
+    if not pcfg.float8:  # float8_fsdp_all_gather alone has nothing to gather in float8
         return
     if importlib.util.find_spec("torchao") is None:
         raise ConfigError(
             "parallel.float8 = true needs torchao, which is not installed; "
             "pip install 'pp_tp[float8]' or set parallel.float8 = false"
         )
-    if device_type != "cuda" or torch.cuda.get_device_capability() < (8, 9):
-        where = "a CPU" if device_type != "cuda" else f"compute capability {torch.cuda.get_device_capability()}"
+    if device_type == "cuda" and torch.cuda.get_device_capability() < (8, 9):
         raise ConfigError(
-            f"parallel.float8 = true needs an NVIDIA GPU of compute capability >= 8.9 (Ada, Hopper "
-            f"or newer) but this job runs on {where}; set parallel.float8 = false"
+            f"parallel.float8 = true needs an NVIDIA GPU of compute capability >= 8.9 (Ada, Hopper or newer), "
+            f"this one has {torch.cuda.get_device_capability()}; set parallel.float8 = false"
         )
-
-
-def float8_all_gather(pcfg: ParallelConfig) -> bool:
-    """FSDP all-gathers float8 weights only when there is FSDP and no TP."""
-    return uses_fsdp(pcfg) and pcfg.tp == 1
-
-
-def _torchao_from_float(pcfg: ParallelConfig) -> Callable[[nn.Linear], nn.Linear]:
-    from torchao.float8 import Float8LinearConfig
-    from torchao.float8.float8_linear import Float8Linear
-
-    config = Float8LinearConfig(enable_fsdp_float8_all_gather=float8_all_gather(pcfg))
-    return functools.partial(Float8Linear.from_float, config=config)
-
-
-# pcfg -> the function turning one nn.Linear into its float8 version; CPU tests put a fake here.
-CONVERTER: Callable[[ParallelConfig], Callable[[nn.Linear], nn.Linear]] = _torchao_from_float
+    if pcfg.float8_fsdp_all_gather and (pcfg.dp_shard == 1 or pcfg.tp > 1):
+        raise ConfigError(
+            f"parallel.float8_fsdp_all_gather = true needs FSDP without TP (dp_shard > 1, tp = 1), got "
+            f"dp_shard = {pcfg.dp_shard}, tp = {pcfg.tp}; set parallel.float8_fsdp_all_gather = false"
+        )
 
 
 def _local_shape(weight: torch.Tensor) -> tuple[int, ...]:
@@ -91,12 +84,15 @@ def _swap(stage: nn.Module, fqn: str, new: nn.Module) -> None:
 
 
 def apply_float8(stage: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig) -> bool:
-    """Swaps the selected Linear layers for float8 ones, keeping names and TP hooks; True when any was swapped."""
+    """Swaps the selected Linear layers for torchao Float8Linear, keeping names, parameters and TP hooks;
+    True when any was swapped."""
     if not pcfg.float8:
         return False
+    from torchao.float8 import Float8LinearConfig
+    from torchao.float8.float8_linear import Float8Linear
+
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=pcfg.float8_fsdp_all_gather)
     fqns = float8_fqns(stage)
-    if fqns:
-        convert = CONVERTER(pcfg)
-        for fqn in fqns:
-            _swap(stage, fqn, convert(stage.get_submodule(fqn)))
+    for fqn in fqns:
+        _swap(stage, fqn, Float8Linear.from_float(stage.get_submodule(fqn), config=config))
     return bool(fqns)
