@@ -119,3 +119,36 @@ def patch_schedule_timing(schedule: Any, wrap_loss: Wrap, wrap_p2p_wait: Wrap) -
         del schedule.__dict__["_maybe_compute_loss"]
 
     return undo
+
+
+def stage_backward(stage_output: Any, output_grads: Any, input_values: Any) -> Any:
+    """torch's own full backward of one pipeline stage (what PipelineStage runs for a "full" backward), so a
+    subclass can run it with FSDP gradient sync on. Public replacement: none (pipelining._backward)."""
+    from torch.distributed.pipelining._backward import stage_backward as backward
+
+    return backward(stage_output, output_grads, input_values)
+
+
+def fsdp_reduce_grads_now(module: nn.Module) -> None:
+    """Runs FSDP2's post-backward on every unit under `module` now (reduce-scatter, accumulate sharded), as
+    torch's PipelineStage.perform_reduce_grad does at a step's end but without finalizing the step; the
+    caller sets the flags. Public replacement: none (FSDP2 reduces only from autograd hooks)."""
+    from torch.distributed.fsdp import fully_shard
+
+    state = fully_shard.state(module)
+    for unit in state._state_ctx.all_states:
+        for group in unit._fsdp_param_groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()
+
+
+def local_shape_and_offset(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """This rank's block of a DTensor: (local shape, offset in the global tensor); a plain tensor is all of it.
+    DCP uses the same function to plan its reads. Public replacement: none yet (torch.distributed.tensor._utils)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(t, DTensor):
+        return tuple(t.shape), (0,) * t.dim()
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(shape), tuple(offset)

@@ -2,7 +2,13 @@
 
 The stage module itself is the root FSDP module: torch's PipelineStage checks
 ``isinstance(submod, FSDPModule)`` to skip gradient sync on every microbatch but the last
-(REDUCE_GRAD), so gradients are reduce-scattered once per step whatever the microbatch count.
+(REDUCE_GRAD), so by default gradients are reduce-scattered once per step whatever the microbatch count.
+
+``parallel.fsdp_grad_reduce``: "step" (torch's way: unsharded gradients accumulate until the step's one
+reduce-scatter), "microbatch" or an int k (reduce-scatter after every k-th microbatch backward of a
+stage, accumulating sharded: ceil(m / k) reduce-scatters per unit per step; see
+pp_tp.schedules.grad_reduce). ``parallel.grad_accum_dtype`` "bf16" accumulates the unsharded gradients
+(and reduce-scatters) in bf16; the sharded gradient stays fp32.
 
 ``parallel.fsdp_reshard_after_forward``:
   default  pp > 1: keep parameters gathered for the whole step (one all-gather per unit per step,
@@ -14,12 +20,15 @@ The stage module itself is the root FSDP module: torch's PipelineStage checks
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from pp_tp.config import ParallelConfig
+from pp_tp.errors import ConfigError
 
 
 def uses_fsdp(pcfg: ParallelConfig) -> bool:
@@ -30,6 +39,27 @@ def uses_fsdp(pcfg: ParallelConfig) -> bool:
 def grad_factor(pcfg: ParallelConfig) -> int:
     """The factor the loss is multiplied by to undo FSDP's mean over DP ranks (gloo refuses a divide factor)."""
     return pcfg.dp if uses_fsdp(pcfg) else 1
+
+
+def for_pp_rank(pcfg: ParallelConfig, pp_rank: int) -> ParallelConfig:
+    """`pcfg` with per-pp-rank FSDP policy lists (what "auto" resolves to) replaced by this rank's entry."""
+    r, g = pcfg.fsdp_reshard_after_forward, pcfg.fsdp_grad_reduce
+    r = r[pp_rank] if isinstance(r, list) else r
+    g = g[pp_rank] if isinstance(g, list) else g
+    if "auto" in (r, g):
+        raise ConfigError(
+            'parallel.fsdp_reshard_after_forward / fsdp_grad_reduce = "auto" is resolved by the planner before '
+            "the process group starts; call pp_tp.planner.resolve_auto(cfg, world_size) first (pp-tp train does)"
+        )
+    return dataclasses.replace(pcfg, fsdp_reshard_after_forward=r, fsdp_grad_reduce=g)
+
+
+def grad_reduce_every(pcfg: ParallelConfig) -> int | None:
+    """Reduce-scatter after every k-th microbatch backward (k), or None: once per step (torch's way)."""
+    g = pcfg.fsdp_grad_reduce
+    if not uses_fsdp(pcfg) or g == "step" or (isinstance(g, int) and g >= pcfg.microbatches):
+        return None
+    return 1 if g == "microbatch" else g
 
 
 def reshard_after_forward(pcfg: ParallelConfig) -> bool | int | None:
@@ -54,9 +84,10 @@ def dp_mesh(mesh: DeviceMesh, pcfg: ParallelConfig) -> DeviceMesh:
 
 
 def mixed_precision_policy(pcfg: ParallelConfig) -> MixedPrecisionPolicy:
-    """bf16: bf16 compute and all-gather, fp32 gradient reduction; fp32: everything in fp32."""
+    """bf16: bf16 compute and all-gather, gradient accumulation and reduction in grad_accum_dtype; fp32: all fp32."""
     if pcfg.mixed_precision == "bf16":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        accum = torch.bfloat16 if pcfg.grad_accum_dtype == "bf16" else torch.float32
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=accum)
     return MixedPrecisionPolicy()
 
 

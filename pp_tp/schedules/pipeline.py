@@ -20,8 +20,9 @@ from torch.distributed.pipelining.schedules import RESHARD, UNSHARD
 from pp_tp._torch import Action, PipelineScheduleRuntime, load_csv_schedule
 from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
-from pp_tp.parallel.fsdp import keeps_params_gathered
+from pp_tp.parallel.fsdp import grad_reduce_every, keeps_params_gathered
 from pp_tp.parallel.tensor_parallel import reduce_partial_grads
+from pp_tp.schedules.grad_reduce import ReducingStage
 from pp_tp.schedules.loss import TokenSumLoss, count_tokens
 from pp_tp.schedules.registry import get_schedule_spec, is_csv_schedule
 from pp_tp.stages.plan import StagePlan
@@ -108,15 +109,22 @@ class Pipeline:
         self._dp_groups = [mesh.get_group(d) for d in ("dp_replicate", "dp_shard") if mesh[d].size() > 1]
         self._shape_key: tuple[int, int] | None = None
         self.schedule = None
+        self.hf_config = None  # the model's HF config (config.json on save_pretrained); set by build_pipeline
+        self.checkpoint_dir: str | None = None  # the HF directory the weights came from, if any
 
     def _build_schedule(self, microbatch: int, seq: int) -> None:
         shapes = self._shapes_fn(microbatch, seq)
         num_stages = self.pcfg.num_stages
         pstages = []
+        m = self.pcfg.microbatches
+        every = grad_reduce_every(self.pcfg)
+        reducing = (
+            {} if every is None else dict(every=every, microbatches=m, reshard=not keeps_params_gathered(self.pcfg))
+        )
         for stage in self.model_parts:
             inp, out = shapes.stage_io(stage)
             pstages.append(
-                PipelineStage(
+                (ReducingStage if reducing else PipelineStage)(
                     stage,
                     stage.spec.index,
                     num_stages,
@@ -124,9 +132,9 @@ class Pipeline:
                     input_args=inp,
                     output_args=out,
                     group=self._pp_group,
+                    **reducing,
                 )
             )
-        m = self.pcfg.microbatches
         name = self.pcfg.schedule
         if is_csv_schedule(name):
             schedule = PipelineScheduleRuntime(pstages, n_microbatches=m, loss_fn=self._loss, scale_grads=False)
@@ -173,3 +181,9 @@ class Pipeline:
         for g in [self._pp_group] + self._dp_groups:
             dist.all_reduce(total, group=g)
         return total[0].float()
+
+    def save_pretrained(self, path: str, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None) -> None:
+        """Writes the whole model to `path` in HF format (a collective; each pp rank writes its stages' files)."""
+        from pp_tp.hf_checkpoint import save_pretrained
+
+        save_pretrained(self.model_parts, self.mesh, path, self.hf_config, self.checkpoint_dir, max_shard_size, dtype)
