@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from pp_tp.config import ParallelConfig, resolve_parallel
-from pp_tp.parallel.fsdp import grad_factor
+from pp_tp.parallel.fsdp import for_pp_rank, grad_factor
 from pp_tp.preflight import check_seq_len, preflight
 from pp_tp.schedules.pipeline import BoundaryShapes, Pipeline
 from pp_tp.stages.build import build_local_stages
@@ -30,7 +30,7 @@ def build_pipeline(
     `model` is the full model on the meta device (values from `seed`, or `state_dict` keyed by FQN) or
     holding weights (they are used). Every check runs before any collective.
     """
-    pcfg = resolve_parallel(pcfg, dist.get_world_size())
+    pcfg = for_pp_rank(resolve_parallel(pcfg, dist.get_world_size()), mesh.get_local_rank("pp"))
     checked = preflight(model, pcfg, mesh.device_type, seq_len)
     layout, d, plan = checked.layout, checked.dims, checked.plan
     device = (
