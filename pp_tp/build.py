@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 
 import torch
@@ -10,6 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from pp_tp.config import ParallelConfig, resolve_parallel
+from pp_tp.hf_checkpoint import open_checked
 from pp_tp.parallel.fsdp import for_pp_rank, grad_factor
 from pp_tp.preflight import check_seq_len, preflight
 from pp_tp.schedules.pipeline import BoundaryShapes, Pipeline
@@ -24,22 +26,26 @@ def build_pipeline(
     seed: int = 0,
     state_dict: Mapping[str, torch.Tensor] | None = None,
     seq_len: int | None = None,
+    checkpoint: str | None = None,
 ) -> Pipeline:
     """This rank's share of `model` as pipeline stages with TP and FSDP, and the schedule that runs them.
 
     `model` is the full model on the meta device (values from `seed`, or `state_dict` keyed by FQN) or
-    holding weights (they are used). Every check runs before any collective.
+    holding weights (they are used). `checkpoint`: an HF model directory whose safetensors fill the stages,
+    each rank reading only its own slices. Every check runs before any collective.
     """
     pcfg = for_pp_rank(resolve_parallel(pcfg, dist.get_world_size()), mesh.get_local_rank("pp"))
     checked = preflight(model, pcfg, mesh.device_type, seq_len)
     layout, d, plan = checked.layout, checked.dims, checked.plan
+    source = open_checked(checkpoint, model) if checkpoint else None  # bad keys fail here, before any collective
     device = (
         torch.device(mesh.device_type, torch.cuda.current_device())
         if mesh.device_type == "cuda"
         else torch.device("cpu")
     )
     pp_rank = mesh.get_local_rank("pp")
-    stages = build_local_stages(model, layout, plan, pp_rank, mesh, pcfg, device, seed, state_dict)
+    casts: Counter = Counter()
+    stages = build_local_stages(model, layout, plan, pp_rank, mesh, pcfg, device, seed, state_dict, source, casts)
     act_dtype = torch.bfloat16 if pcfg.mixed_precision == "bf16" else torch.float32
     vocab_local = d.vocab_size // pcfg.tp if pcfg.loss_parallel else d.vocab_size
 
@@ -48,4 +54,6 @@ def build_pipeline(
         return BoundaryShapes(microbatch, seq, d.dim, vocab_local, act_dtype)
 
     tp_loss_mesh = mesh["tp"] if pcfg.loss_parallel and pcfg.tp > 1 else None
-    return Pipeline(stages, plan, mesh, pcfg, device, shapes, grad_factor(pcfg), tp_loss_mesh)
+    pipe = Pipeline(stages, plan, mesh, pcfg, device, shapes, grad_factor(pcfg), tp_loss_mesh)
+    pipe.hf_config, pipe.checkpoint_dir, pipe.checkpoint_casts = getattr(model, "config", None), checkpoint, casts
+    return pipe

@@ -1,0 +1,36 @@
+"""Fills one stage's (TP/FSDP-sharded) parameters from an HF checkpoint, reading only this rank's slices.
+
+torch's `HuggingFaceStorageReader` reads the same `get_slice` blocks, but only inside `dcp.load`, whose
+global planning is a collective and whose copy casts dtypes implicitly; reading the blocks here keeps every
+check before any collective and the bf16 -> fp32 cast explicit (`HFSource.read`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from pp_tp._torch import local_shape_and_offset, local_tensor
+from pp_tp.hf_checkpoint.source import HFSource
+from pp_tp.stages.stage_module import StageModule
+
+
+@torch.no_grad()
+def load_stage(stage: StageModule, source: HFSource, casts: Counter | None = None) -> None:
+    """Copies this rank's block of every parameter of `stage` from `source`, by the stage's checkpoint keys.
+
+    `casts` counts the (checkpoint dtype -> parameter dtype) conversions made, for the log.
+    """
+    for name, p in stage.named_parameters():
+        key = stage.checkpoint_keys[name]
+        shape, offset = local_shape_and_offset(p)
+        local = local_tensor(p)
+        if tuple(local.shape) != shape:
+            raise RuntimeError(f"{name}: local shard {tuple(local.shape)} is not the block {shape} torch computes")
+        if local.numel() == 0:
+            continue
+        entry = source.entries[key]
+        if casts is not None and entry.dtype != local.dtype:
+            casts[f"{entry.dtype} -> {local.dtype}".replace("torch.", "")] += 1
+        local.copy_(source.read(key, offset, shape, local.dtype))

@@ -1,0 +1,144 @@
+"""`Pipeline.save_pretrained`: an HF-format directory that `AutoModelForCausalLM.from_pretrained` loads.
+
+Each pp rank writes the files of its own stages (its rank at dp/tp coordinate 0 writes; its peers only help
+assemble full tensors from TP/FSDP shards, one tensor at a time), so no rank ever holds the whole model:
+the most a writer holds is one file (`max_shard_size`). File numbers come from one `all_gather_object` of
+every writer's file plan; rank 0 writes the index, config.json and generation_config.json.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from pp_tp.errors import ConfigError
+from pp_tp.hf_checkpoint.source import INDEX, SINGLE
+from pp_tp.tensor_utils import full_tensor
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or a string like "5GB", "200MB", "1GiB"."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(size))
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ConfigError(f"max_shard_size = {size!r} is not a size; give bytes or e.g. '5GB', '500MB'")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def _owned(parts: list[nn.Module]) -> list[tuple[str, torch.Tensor]]:
+    """(checkpoint key, parameter) this pp rank stores: a tied copy only where its canonical name lives."""
+    out: dict[str, torch.Tensor] = {}
+    for part in parts:
+        keys = part.checkpoint_keys
+        for name, p in part.named_parameters():
+            key = keys[name]
+            if name == key or key in keys:
+                out.setdefault(key, p)
+    return list(out.items())
+
+
+def _plan_files(owned: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None, max_bytes: int) -> list[list[str]]:
+    """Keys grouped into files of at most `max_bytes` (a bigger tensor gets a file of its own)."""
+    files: list[list[str]] = []
+    size = 0
+    for key, p in owned:
+        n = p.numel() * (dtype or p.dtype).itemsize
+        if not files or (size + n > max_bytes and files[-1]):
+            files.append([])
+            size = 0
+        files[-1].append(key)
+        size += n
+    return [f for f in files if f]
+
+
+def _is_writer(mesh: DeviceMesh) -> bool:
+    return all(mesh.get_local_rank(d) == 0 for d in ("dp_replicate", "dp_shard", "tp"))
+
+
+def _file_names(plans: list[tuple[int, list[list[str]]]]) -> dict[int, list[str]]:
+    """pp rank -> its files' names, numbered across all pp ranks in pp order."""
+    total = sum(len(files) for _, files in plans)
+    names, i = {}, 0
+    for pp_rank, files in sorted(plans):
+        names[pp_rank] = []
+        for _ in files:
+            i += 1
+            names[pp_rank].append(SINGLE if total == 1 else f"model-{i:05d}-of-{total:05d}.safetensors")
+    return names
+
+
+def _write_metadata(path: str, plans, names, sizes: int, config, source_dir: str | None, dtype) -> None:
+    """Rank 0: the index (when sharded), config.json, and the source's generation_config.json."""
+    weight_map = {k: n for pp, files in plans for keys, n in zip(files, names[pp]) for k in keys}
+    if len(set(weight_map.values())) > 1:
+        with open(os.path.join(path, INDEX), "w") as f:
+            json.dump({"metadata": {"total_size": sizes}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+    if config is not None:
+        config = copy.deepcopy(config)
+        config.dtype = dtype
+        config.save_pretrained(path)
+    gen = os.path.join(source_dir or "", "generation_config.json")
+    if source_dir and os.path.isfile(gen):
+        shutil.copyfile(gen, os.path.join(path, "generation_config.json"))
+
+
+def _clear(path: str) -> None:
+    """Removes an earlier save's weights so no stale shard or index survives next to the new ones."""
+    os.makedirs(path, exist_ok=True)
+    for name in os.listdir(path):
+        if name.endswith(".safetensors") or name == INDEX:
+            os.remove(os.path.join(path, name))
+
+
+def save_pretrained(
+    parts: list[nn.Module],
+    mesh: DeviceMesh,
+    path: str,
+    config=None,
+    source_dir: str | None = None,
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Writes the pipeline's full model to `path` in HF format; every rank calls it (a collective).
+
+    `dtype`: the stored dtype (default: the parameters' own, fp32 master weights); `config`: the model's HF
+    config (config.json); `source_dir`: the checkpoint it was loaded from (its generation_config.json is kept).
+    """
+    from safetensors.torch import save_file
+
+    max_bytes = parse_size(max_shard_size)
+    owned = _owned(parts)
+    files = _plan_files(owned, dtype, max_bytes)
+    writer = _is_writer(mesh)
+    if dist.get_rank() == 0:
+        _clear(path)
+    plans: list = [None] * dist.get_world_size()
+    nbytes = sum(p.numel() * (dtype or p.dtype).itemsize for _, p in owned)
+    dist.all_gather_object(plans, (mesh.get_local_rank("pp"), files, nbytes) if writer else None)
+    sizes = sum(p[2] for p in plans if p is not None)
+    plans = [p[:2] for p in plans if p is not None]
+    names = _file_names(plans)[mesh.get_local_rank("pp")]
+    params = dict(owned)
+    for keys, name in zip(files, names):
+        tensors = {}
+        for key in keys:  # every rank of this pp rank gathers in the same order; only the writer keeps it
+            full = full_tensor(params[key].detach()).to(dtype or params[key].dtype).contiguous()
+            if writer:
+                tensors[key] = full
+        if writer:
+            save_file(tensors, os.path.join(path, name), metadata={"format": "pt"})
+    if dist.get_rank() == 0:
+        first = dtype or (owned[0][1].dtype if owned else torch.float32)
+        _write_metadata(path, plans, _file_names(plans), sizes, config, source_dir, first)
+    dist.barrier()

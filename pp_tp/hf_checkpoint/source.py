@@ -1,0 +1,140 @@
+"""An HF model directory's safetensors, indexed by key from the file headers, and checked against a model.
+
+Only headers are read here (safetensors files are memory-mapped; `get_slice` touches just the bytes of the
+slice asked for). Every check runs on every rank before any collective, so a bad checkpoint is one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pp_tp._torch import is_persistent_buffer
+from pp_tp.errors import ConfigError
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+# safetensors dtype names -> torch dtypes; floating point only (weights).
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def has_weights(path: str) -> bool:
+    """Whether `path` holds HF safetensors weights (one file, or an index of shards)."""
+    return os.path.isfile(os.path.join(path, SINGLE)) or os.path.isfile(os.path.join(path, INDEX))
+
+
+@dataclass(frozen=True)
+class Entry:
+    """Where one tensor lives and what it is, from its file's header."""
+
+    file: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _files(path: str) -> list[str]:
+    """The safetensors files of `path`: the index's shards, or model.safetensors."""
+    index = os.path.join(path, INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ConfigError(f"checkpoint {index} has no weight_map; write it with save_pretrained")
+        return sorted(set(weight_map.values()))
+    if os.path.isfile(os.path.join(path, SINGLE)):
+        return [SINGLE]
+    raise ConfigError(f"checkpoint {path!r} has no {SINGLE} or {INDEX}; give a Hugging Face model directory")
+
+
+class HFSource:
+    """The tensors of an HF directory by key; `read` returns one slice, cast explicitly to the asked dtype."""
+
+    def __init__(self, path: str):
+        from safetensors import safe_open
+
+        self.path = path
+        self.entries: dict[str, Entry] = {}
+        for name in _files(path):
+            file = os.path.join(path, name)
+            if not os.path.isfile(file):
+                raise ConfigError(f"checkpoint {path!r}: the index names {name}, which is missing; copy it there")
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():
+                    sl = f.get_slice(key)
+                    dtype = _DTYPES.get(sl.get_dtype())
+                    if dtype is None:
+                        raise ConfigError(
+                            f"checkpoint {file}: {key!r} has dtype {sl.get_dtype()}, not a float type; "
+                            "store weights as F32, BF16 or F16"
+                        )
+                    self.entries[key] = Entry(file, tuple(sl.get_shape()), dtype)
+
+    def read(self, key: str, offset: tuple[int, ...], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The block of `key` at `offset` of size `shape`, converted to `dtype` (the one explicit cast).
+
+        The file is mapped for this one read: pages of a mapping stay in the resident set while it is open,
+        so keeping files open would count every block read so far twice (mapped and copied).
+        """
+        from safetensors import safe_open
+
+        with safe_open(self.entries[key].file, framework="pt") as f:
+            sl = f.get_slice(key)
+            block = sl[tuple(slice(o, o + n) for o, n in zip(offset, shape))] if shape else sl[:]
+        return block.to(dtype)
+
+
+def model_keys(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], dict[str, str], set[str]]:
+    """(canonical key -> shape, alias -> canonical key for tied copies, persistent buffer names) of `model`."""
+    canonical: dict[int, str] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    aliases: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in canonical:
+            aliases[name] = canonical[id(p)]
+        else:
+            canonical[id(p)] = name
+            shapes[name] = tuple(p.shape)
+    buffers = set()
+    for name, _ in model.named_buffers():
+        owner, _, leaf = name.rpartition(".")
+        if is_persistent_buffer(model.get_submodule(owner), leaf):
+            buffers.add(name)
+    return shapes, aliases, buffers
+
+
+def check(source: HFSource, model: nn.Module) -> None:
+    """Missing, unexpected or wrongly shaped keys of `source` for `model`: one ConfigError naming the first."""
+    shapes, aliases, buffers = model_keys(model)
+    what = type(model).__name__
+    missing = [k for k in shapes if k not in source.entries]
+    if missing:
+        raise ConfigError(
+            f"checkpoint {source.path!r} is missing {missing[0]!r} ({len(missing)} of {len(shapes)} keys missing); "
+            f"give the weights of this {what} (its config.json must match them)"
+        )
+    for key, e in source.entries.items():
+        if key not in shapes and key not in aliases and key not in buffers:
+            raise ConfigError(
+                f"checkpoint {e.file}: unexpected key {key!r}, not a parameter of {what}; "
+                "give the weights of this model (its config.json must match them)"
+            )
+        want = shapes.get(aliases.get(key, key))
+        if want is not None and e.shape != want:
+            raise ConfigError(
+                f"checkpoint {e.file}: {key!r} has shape {e.shape}, the model needs {want}; "
+                "check config.json against the weights"
+            )
+
+
+def open_checked(path: str, model: nn.Module) -> HFSource:
+    """The checkpoint at `path`, checked against `model` (meta is enough); no collective."""
+    if not os.path.isdir(path):
+        raise ConfigError(f"checkpoint {path!r} is not a directory; give a Hugging Face model directory")
+    source = HFSource(path)
+    check(source, model)
+    return source
