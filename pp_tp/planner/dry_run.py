@@ -9,15 +9,18 @@ from dataclasses import dataclass
 from torch.distributed.device_mesh import init_device_mesh
 
 from pp_tp._torch import FakeTensorMode
-from pp_tp.config import JobConfig, validate
+from pp_tp.config import JobConfig, ParallelConfig, validate
 from pp_tp.mesh import MESH_DIMS, mesh_shape
 from pp_tp.models.factory import build_model
+from pp_tp.parallel.fsdp import for_pp_rank
+from pp_tp.planner.auto import resolve_policies
 from pp_tp.planner.estimates import ScheduleEstimate, candidate_schedules, schedule_estimate
 from pp_tp.planner.fake_world import fake_world
-from pp_tp.planner.memory import RankMemory, StageCost, rank_memory, stage_cost
+from pp_tp.planner.memory import RankMemory, StageCost, rank_memory, settle, stage_cost
 from pp_tp.stages.layouts import layout_for
 from pp_tp.stages.plan import StagePlan, StageSpec, plan_stages
 from pp_tp.stages.stage_module import StageModule
+from pp_tp.timeline import schedule_actions
 
 
 @dataclass
@@ -32,6 +35,12 @@ class JobPlan:
     ranks: list[RankMemory]
     schedules: list[ScheduleEstimate]
     seconds: float
+    policies: ParallelConfig | None = None  # [parallel] with "auto" resolved (per-pp-rank lists where they differ)
+
+    @property
+    def peak_bytes(self) -> int:
+        """The largest predicted per-rank peak of the configured layout."""
+        return max(r.total_bytes for r in self.ranks)
 
 
 def _kind(spec: StageSpec) -> tuple[bool, int, bool]:
@@ -42,8 +51,11 @@ def plan_job(cfg: JobConfig, world_size: int) -> JobPlan:
     """Dry-runs `cfg` on `world_size` ranks in this process; nothing is allocated and nobody is contacted."""
     t0 = time.perf_counter()
     cfg = validate(cfg, world_size)
-    # compile and float8 do not run on fake CPU tensors; they leave the accounting unchanged.
-    pcfg = dataclasses.replace(cfg.parallel, compile=False, float8=False)
+    # compile and float8 do not run on fake CPU tensors; they leave the accounting unchanged. Neither FSDP
+    # policy changes what a stage holds, only when: parallelize with fixed ones, walk the step with the real ones.
+    pcfg = dataclasses.replace(
+        cfg.parallel, compile=False, float8=False, fsdp_reshard_after_forward="default", fsdp_grad_reduce="step"
+    )
     microbatch = cfg.training.batch_size // (pcfg.dp * pcfg.microbatches)
     shape = mesh_shape(pcfg, world_size)
     with fake_world(world_size):
@@ -66,14 +78,26 @@ def plan_job(cfg: JobConfig, world_size: int) -> JobPlan:
                     layout.dims(model).dim,
                     fake,
                 )
-        ranks = [
-            rank_memory(r, [s.index for s in plan.for_rank(r)], [kinds[_kind(s)] for s in plan.for_rank(r)], pcfg)
-            for r in range(pcfg.pp)
-        ]
+        costs = [[kinds[_kind(s)] for s in plan.for_rank(r)] for r in range(pcfg.pp)]
+    policies = resolve_policies(
+        [rank_memory(r, [s.index for s in plan.for_rank(r)], costs[r], pcfg) for r in range(pcfg.pp)],
+        schedule_actions(pcfg.schedule, pcfg.pp, pcfg.microbatches, pcfg.stages_per_rank),
+        cfg.parallel,
+    )
+    ranks = [
+        rank_memory(r, [s.index for s in plan.for_rank(r)], costs[r], for_pp_rank(policies, r)) for r in range(pcfg.pp)
+    ]
     schedules = [schedule_estimate(name, pcfg, ranks) for name in candidate_schedules(pcfg)]
-    configured = schedules[0]
-    for r, peak in zip(ranks, configured.act_peak_bytes):
-        r.act_peak_bytes = peak
+    for r, walk in zip(ranks, schedules[0].walks):
+        settle(r, walk)
     return JobPlan(
-        cfg, world_size, dict(zip(MESH_DIMS, shape)), microbatch, plan, ranks, schedules, time.perf_counter() - t0
+        cfg,
+        world_size,
+        dict(zip(MESH_DIMS, shape)),
+        microbatch,
+        plan,
+        ranks,
+        schedules,
+        time.perf_counter() - t0,
+        policies,
     )

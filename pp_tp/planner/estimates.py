@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
 from pp_tp.planner.memory import RankMemory, peak_held_bytes
+from pp_tp.planner.walk import Walk, walk_step
 from pp_tp.schedules.registry import check_schedule, get_schedule_spec, is_csv_schedule
 from pp_tp.timeline import bubble_fraction, schedule_actions, simulate, theoretical_bubble
 
@@ -24,6 +25,11 @@ class ScheduleEstimate:
     bubble_simulated: float
     act_peak_bytes: list[int]  # per pp rank
     peak_microbatches: list[float]  # per pp rank: peak held / one microbatch through all of the rank's stages
+    walks: list[Walk]  # per pp rank: the step walked under the rank's FSDP policy
+
+    def peak_bytes(self, ranks: list[RankMemory]) -> list[int]:
+        """Per pp rank: everything held at the rank's peak under this schedule."""
+        return [r.param_bytes + r.grad_bytes + r.optim_bytes + w.peak for r, w in zip(ranks, self.walks)]
 
 
 def candidate_schedules(pcfg: ParallelConfig) -> list[str]:
@@ -45,6 +51,7 @@ def schedule_estimate(name: str, pcfg: ParallelConfig, ranks: list[RankMemory]) 
     """Bubble and per-rank activation peak of schedule `name`, from its own action order."""
     actions = schedule_actions(name, pcfg.pp, pcfg.microbatches, pcfg.stages_per_rank)
     peaks = [peak_held_bytes(actions[r.pp_rank], r.act_bytes_per_microbatch) for r in ranks]
+    walks = [walk_step(actions[r.pp_rank], r.sizes, r.policy, pcfg.microbatches) for r in ranks]
     per_mb = [sum(r.act_bytes_per_microbatch.values()) for r in ranks]
     return ScheduleEstimate(
         name,
@@ -52,4 +59,5 @@ def schedule_estimate(name: str, pcfg: ParallelConfig, ranks: list[RankMemory]) 
         max(bubble_fraction(simulate(actions))),
         peaks,
         [p / b if b else 0.0 for p, b in zip(peaks, per_mb)],
+        walks,
     )

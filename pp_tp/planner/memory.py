@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -13,8 +13,9 @@ from torch.distributed.tensor import DTensor
 from pp_tp._torch import Action, FakeTensorMode
 from pp_tp.config import ParallelConfig
 from pp_tp.parallel.apply import parallelize_stage
-from pp_tp.parallel.fsdp import uses_fsdp
+from pp_tp.parallel.fsdp import grad_reduce_every, keeps_params_gathered, uses_fsdp
 from pp_tp.planner.activations import stage_activation_bytes
+from pp_tp.planner.walk import StageBytes, StagePolicy, Walk
 from pp_tp.stages.stage_module import StageModule
 
 FP32 = 4
@@ -35,7 +36,9 @@ class RankMemory:
     grad_accum_bytes: int
     optim_bytes: int
     act_bytes_per_microbatch: dict[int, int]
-    act_peak_bytes: int = 0
+    sizes: dict[int, StageBytes] = field(default_factory=dict)  # per stage, for walk_step
+    policy: dict[int, StagePolicy] = field(default_factory=dict)
+    act_peak_bytes: int = 0  # the coming-and-going parts at the rank's peak moment (walk_step)
 
     @property
     def total_bytes(self) -> int:
@@ -49,15 +52,28 @@ class RankMemory:
             + self.act_peak_bytes
         )
 
+    def dominant(self) -> tuple[str, int]:
+        """The largest part of total_bytes: (name, bytes)."""
+        parts = {
+            "parameters": self.param_bytes,
+            "gathered parameters": self.gathered_bytes,
+            "gradients": self.grad_bytes,
+            "unsharded gradient accumulation": self.grad_accum_bytes,
+            "optimizer states": self.optim_bytes,
+            "activations": self.act_peak_bytes,
+        }
+        return max(parts.items(), key=lambda kv: kv[1])
+
 
 @dataclass(frozen=True)
 class StageCost:
-    """What one stage costs a rank: local parameter elements, their TP-local (DP-gathered) count, and the
-    saved activations of one microbatch."""
+    """What one stage costs a rank: local parameter elements, their TP-local (DP-gathered) count and its
+    largest FSDP unit's, and the saved activations of one microbatch."""
 
     local: int
     tp_local: int
     act_bytes: int
+    unit_tp_local: int = 0
 
 
 def tp_local_numel(p: torch.Tensor) -> int:
@@ -88,34 +104,60 @@ def stage_cost(
     """Parallelizes `stage` on meta (the real passes, on the fake world's mesh) and measures it."""
     parallelize_stage(stage, mesh, pcfg)
     local = sum(_local_numel(p) for p in stage.parameters())
+    blocks = [sum(tp_local_numel(p) for p in b.parameters()) for b in stage.blocks()]
+    tp_local = sum(tp_local_numel(p) for p in stage.parameters())
     with fake, warnings.catch_warnings():  # one mode for all stages: shared modules (rotary tables) stay in it
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # the output view is never modified
         acts = stage_activation_bytes(stage, mesh, pcfg, microbatch, seq, dim)
-    return StageCost(local, sum(tp_local_numel(p) for p in stage.parameters()), acts)
+    return StageCost(local, tp_local, acts, max([*blocks, tp_local - sum(blocks)]))
+
+
+def stage_policy(pcfg: ParallelConfig) -> StagePolicy:
+    """The walk's view of one rank's FSDP policies (`pcfg` as for_pp_rank leaves it)."""
+    return StagePolicy(keep=keeps_params_gathered(pcfg) or not uses_fsdp(pcfg), every=grad_reduce_every(pcfg))
 
 
 def rank_memory(pp_rank: int, stages: list[int], costs: list[StageCost], pcfg: ParallelConfig) -> RankMemory:
-    """Parameter, gathered-copy, gradient, optimizer and activation bytes of one pp rank's stages."""
+    """Parameter, gradient and optimizer bytes of one pp rank's stages, and the sizes the step walk moves.
+
+    FSDP keeps fp32 shards (and sharded fp32 gradients); it all-gathers a compute copy in the param dtype
+    and accumulates unsharded gradients in grad_accum_dtype (fp32 under fp32) between reductions; when
+    each comes and goes is walk_step's business.
+    """
     local = sum(c.local for c in costs)
-    gathered_bytes = grad_accum_bytes = 0
-    if uses_fsdp(pcfg):
-        # torch's PipelineStage runs every backward with reshard_after_backward and gradient sync off, so
-        # whatever the reshard policy each unit stays gathered (param dtype) from its first backward, and
-        # its unsharded gradients accumulate (fp32), until the step's one gradient reduction.
-        tp_local = sum(c.tp_local for c in costs)
-        gathered_bytes = (2 if pcfg.mixed_precision == "bf16" else FP32) * tp_local
-        grad_accum_bytes = FP32 * tp_local
+    sizes = {}
+    for s, c in zip(stages, costs):
+        if uses_fsdp(pcfg):
+            p_dtype = 2 if pcfg.mixed_precision == "bf16" else FP32
+            g_dtype = 2 if pcfg.mixed_precision == "bf16" and pcfg.grad_accum_dtype == "bf16" else FP32
+            sizes[s] = StageBytes(
+                c.act_bytes,
+                p_dtype * c.tp_local,
+                p_dtype * c.unit_tp_local,
+                g_dtype * c.tp_local,
+                g_dtype * c.unit_tp_local,
+            )
+        else:
+            sizes[s] = StageBytes(c.act_bytes)
     return RankMemory(
         pp_rank,
         stages,
         local,
         param_bytes=local * FP32,
-        gathered_bytes=gathered_bytes,
+        gathered_bytes=0,
         grad_bytes=local * FP32,
-        grad_accum_bytes=grad_accum_bytes,
+        grad_accum_bytes=0,
         optim_bytes=ADAM_STATES * local * FP32,
         act_bytes_per_microbatch={s: c.act_bytes for s, c in zip(stages, costs)},
+        sizes=sizes,
+        policy={s: stage_policy(pcfg) for s in stages},
     )
+
+
+def settle(rank: RankMemory, walk: Walk) -> RankMemory:
+    """Fills the rank's coming-and-going parts from its walk's peak moment."""
+    rank.act_peak_bytes, rank.gathered_bytes, rank.grad_accum_bytes = walk.act, walk.gathered, walk.grads
+    return rank
 
 
 def peak_held_bytes(actions: list[Action], bytes_per_stage: dict[int, int]) -> int:
