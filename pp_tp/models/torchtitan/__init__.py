@@ -1,0 +1,13 @@
+"""torchtitan's own decoder models (llama3, qwen3 dense), registered when torchtitan is importable."""
+
+import importlib.util
+
+from pp_tp.models.torchtitan.layout import TORCHTITAN_DECODER, TORCHTITAN_DECODER_QKV, set_step_kwargs
+from pp_tp.stages.layouts import register_layout
+
+AVAILABLE = importlib.util.find_spec("torchtitan") is not None
+if AVAILABLE:
+    register_layout(TORCHTITAN_DECODER_QKV)
+    register_layout(TORCHTITAN_DECODER)
+
+__all__ = ["AVAILABLE", "TORCHTITAN_DECODER", "TORCHTITAN_DECODER_QKV", "set_step_kwargs"]
