@@ -27,6 +27,7 @@ from pp_tp.schedules.loss import TokenSumLoss, count_tokens
 from pp_tp.schedules.registry import get_schedule_spec, is_csv_schedule
 from pp_tp.stages.plan import StagePlan
 from pp_tp.stages.stage_module import StageModule
+from pp_tp.stages.tied import TiedWeights
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,7 @@ class Pipeline:
         self.schedule = None
         self.hf_config = None  # the model's HF config (config.json on save_pretrained); set by build_pipeline
         self.checkpoint_dir: str | None = None  # the HF directory the weights came from, if any
+        self.tied: TiedWeights | None = None  # tied weights held by several stages; set by build_pipeline
 
     def _build_schedule(self, microbatch: int, seq: int) -> None:
         shapes = self._shapes_fn(microbatch, seq)
@@ -174,6 +176,8 @@ class Pipeline:
         with self._loss.parallel():  # torch wants the vocab-parallel loss's backward inside loss_parallel() too
             self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
         reduce_partial_grads(self.model_parts)  # once per step, after the last microbatch
+        if self.tied is not None:
+            self.tied.sync(self.model_parts)
         # Only the last stage holds losses; summing over pp and DP gives every rank the global loss.
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
         if losses:  # summed on the device: no host sync per microbatch
@@ -187,3 +191,9 @@ class Pipeline:
         from pp_tp.hf_checkpoint import save_pretrained
 
         save_pretrained(self.model_parts, self.mesh, path, self.hf_config, self.checkpoint_dir, max_shard_size, dtype)
+
+    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Forward-only global mean token loss (validation); no gradient is created or changed."""
+        from pp_tp.schedules.evaluate import evaluate
+
+        return evaluate(self, input_ids, labels)

@@ -1,0 +1,73 @@
+"""Validation under PP: the forward-only loss through every schedule equals the plain model's mean loss on
+the same held-out batch, creates no gradient, and leaves training exactly as it would be without it."""
+
+from __future__ import annotations
+
+import copy
+
+import parity_utils as pu
+import torch
+import torch.nn.functional as F
+
+import pp_tp
+
+SCHEDULES = [
+    ("GPipe", 1),
+    ("1F1B", 1),
+    ("Interleaved1F1B", 2),
+    ("LoopedBFS", 2),
+    ("InterleavedZeroBubble", 2),
+    ("ZBVZeroBubble", 2),
+    ("DualPipeV", 2),
+]
+
+
+def eval_case(kw: dict) -> dict:
+    """Per schedule: validation loss vs the plain model, grads after it, and one train step with or without."""
+    state = pu.reference_state()
+    ids, labels = pu.batch(pu.TINY, 8, 16, seed=3)
+    model = pu.make_model()
+    model.load_state_dict(state, strict=False)
+    with torch.no_grad():
+        want = F.cross_entropy(pu.logits_of(model, ids).flatten(0, 1), labels.flatten(), ignore_index=-100).item()
+    out = {}
+    for name, spr in SCHEDULES:
+        pcfg = pu.pcfg_of(**kw, schedule=name, stages_per_rank=spr, microbatches=4)
+        pipe = pp_tp.build_pipeline(pu.make_model(device="meta"), pu.mesh_for(pcfg), pcfg, state_dict=state)
+        dp = pipe.mesh["dp_shard"].get_local_rank()
+        per = 8 // pcfg.dp
+        mine = (ids[dp * per : (dp + 1) * per], labels[dp * per : (dp + 1) * per])
+        val = float(pipe.evaluate(*mine))
+        no_grads = all(p.grad is None for part in pipe.model_parts for p in part.parameters())
+        train_loss = float(pipe.step(*mine))  # eval -> train switch
+        val_again = float(pipe.evaluate(*mine))  # train -> eval switch, grads now exist and must not change
+        out[name] = {"err": abs(val - want) / want, "no_grads": no_grads, "train": train_loss, "again": val_again}
+    return out
+
+
+def test_validation_loss_is_exact_on_every_schedule_and_touches_no_gradient(world):
+    for kw in (dict(pp=2), dict(pp=2, dp_shard=2)):
+        for res in world(2 * kw.get("dp_shard", 1)).run(eval_case, kw):
+            for name, r in res.items():
+                assert r["err"] <= 1e-5 and r["no_grads"], (kw, name, r)
+                assert abs(r["train"] - r["again"]) <= 1e-5 * r["train"], (kw, name, r)  # same weights, same loss
+
+
+def train_with_eval_case(with_eval: bool) -> list[float]:
+    state = pu.reference_state()
+    ids, labels = pu.batch(pu.TINY, 8, 16)
+    pcfg = pu.pcfg_of(pp=2, microbatches=4)
+    pipe = pp_tp.build_pipeline(pu.make_model(device="meta"), pu.mesh_for(pcfg), pcfg, state_dict=copy.deepcopy(state))
+    opt = torch.optim.AdamW([p for part in pipe.model_parts for p in part.parameters()], lr=1e-2)
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        losses.append(float(pipe.step(ids, labels)))
+        if with_eval:
+            pipe.evaluate(ids, labels)
+        opt.step()
+    return losses
+
+
+def test_validation_between_backward_and_optimizer_step_changes_nothing(world):
+    assert world(2).run(train_with_eval_case, True) == world(2).run(train_with_eval_case, False)
