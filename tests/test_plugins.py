@@ -1,5 +1,5 @@
-"""Plugins: a model layout and a schedule found through an installed package's entry points, and the torchtitan
-integration driven by a stand-in for torchtitan's Trainer."""
+"""Plugins: a model layout and a schedule found through an installed package's entry points (the torchtitan
+integration is tested against the real package in tests/test_torchtitan.py)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,8 @@ import os
 import shutil
 import subprocess
 import sys
-from types import SimpleNamespace as NS
 
 import pytest
-import torch
-
-from pp_tp.errors import ConfigError
-from pp_tp.integrations.torchtitan import parallel_config
 
 PLUGIN_PKG = os.path.join(os.path.dirname(__file__), "plugin_pkg")
 
@@ -76,124 +71,3 @@ def test_layout_and_schedule_come_from_an_installed_package(installed_plugin):
     assert out["schedule_class"] == "ScheduleGPipe"
     assert out["loss"] == pytest.approx(out["ref_loss"], rel=1e-5)
     assert 3.5 < out["loss"] < 5.0  # about ln(64) = 4.16 for a fresh model
-
-
-# --- torchtitan -------------------------------------------------------------------------------------------
-
-
-def _titan_sections(**parallelism) -> tuple[NS, NS]:
-    p = dict(
-        pipeline_parallel_degree=2,
-        tensor_parallel_degree=1,
-        data_parallel_replicate_degree=1,
-        data_parallel_shard_degree=-1,
-        pipeline_parallel_schedule="1F1B",
-        pipeline_parallel_schedule_csv="",
-        pipeline_parallel_microbatch_size=1,
-        context_parallel_degree=1,
-        expert_parallel_degree=1,
-        fsdp_reshard_after_forward="default",
-    )
-    p.update(parallelism)
-    training = NS(local_batch_size=4, global_batch_size=-1, seq_len=16, seed=3, mixed_precision_param="float32")
-    return NS(**p), training
-
-
-def titan_trainer_case(style: str) -> dict:
-    """What torchtitan's Trainer does with a TrainSpec's pipelining_fn: build, to_empty + init_weights, step."""
-    import torch.nn.functional as F
-    from parity_utils import TINY, batch
-
-    from pp_tp.integrations.torchtitan import pipelining_fn
-    from pp_tp.models.reference.model import Transformer
-
-    parallelism, training = _titan_sections()
-    with torch.device("meta"):
-        model = Transformer(TINY)
-    if style == "positional":  # torchtitan <= 0.2: (model, parallel_dims, job_config, device, model_args, ...)
-        schedule, parts, first, last = pipelining_fn(
-            model, None, NS(parallelism=parallelism, training=training), torch.device("cpu"), TINY, None, None
-        )
-    else:  # newer torchtitan passes its config sections by keyword
-        schedule, parts, first, last = pipelining_fn(
-            model,
-            parallel_dims=None,
-            training=training,
-            parallelism=parallelism,
-            compile_config=None,
-            ac_config=None,
-            dump_folder="",
-            device=torch.device("cpu"),
-            model_config=TINY,
-            parallelize_fn=None,
-            loss_fn=None,
-        )
-    for m in parts:
-        m.to_empty(device="cpu")
-        with torch.no_grad():
-            m.init_weights(buffer_device=None)
-        m.train()
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in parts]
-    ids, labels = batch(TINY, 4, 16)
-    got = []
-    for _ in range(2):
-        for o in opts:
-            o.zero_grad()
-        targets, losses = (labels, []) if last else (None, None)
-        if first:
-            schedule.step(ids, target=targets, losses=losses, input_batch=ids)
-        elif style == "positional":  # older torchtitan gives middle/last stages no inputs at all
-            schedule.step(target=targets, losses=losses)
-        else:
-            schedule.step(target=targets, losses=losses, input_batch=ids)
-        got.append(torch.mean(torch.stack(losses)).item() if last else -1.0)
-        for o in opts:
-            o.step()
-    ref = Transformer(TINY)
-    ref.init_weights(seed=3)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    want = []
-    for _ in range(2):
-        opt.zero_grad()
-        loss = F.cross_entropy(ref(ids).flatten(0, 1), labels.flatten(), ignore_index=-100)
-        loss.backward()
-        want.append(loss.item())
-        opt.step()
-    return {"first": first, "last": last, "got": got, "want": want}
-
-
-@pytest.mark.parametrize("style", ["positional", "keyword"])
-def test_torchtitan_trainer_drives_our_pipeline(world, style):
-    r0, r1 = world(2).run(titan_trainer_case, style)
-    assert (r0["first"], r0["last"], r1["first"], r1["last"]) == (True, False, False, True)
-    assert r0["got"] == [-1.0, -1.0]
-    for got, want in zip(r1["got"], r1["want"]):
-        assert got == pytest.approx(want, rel=1e-5)
-    assert r1["got"][1] < r1["got"][0]
-
-
-@pytest.mark.parametrize(
-    "parallelism, training, fragment",
-    [
-        ({"context_parallel_degree": 2}, {}, "parallelism.context_parallel_degree = 2"),
-        ({}, {"global_batch_size": 16}, "gradient accumulation"),
-        (
-            {"pipeline_parallel_microbatch_size": 3},
-            {},
-            "not divisible by parallelism.pipeline_parallel_microbatch_size",
-        ),
-    ],
-)
-def test_torchtitan_config_we_cannot_honour_is_refused(monkeypatch, parallelism, training, fragment):
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    p, t = _titan_sections(**parallelism)
-    for k, v in training.items():
-        setattr(t, k, v)
-    with pytest.raises(ConfigError, match=fragment):
-        parallel_config(p, t)
-
-
-def test_torchtitan_schedule_maps_to_our_parallel_config(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "8")
-    pcfg = parallel_config(*_titan_sections(pipeline_parallel_schedule="Interleaved1F1B", tensor_parallel_degree=2))
-    assert (pcfg.pp, pcfg.tp, pcfg.dp_shard, pcfg.stages_per_rank, pcfg.microbatches) == (2, 2, 2, 2, 4)

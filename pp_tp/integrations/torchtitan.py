@@ -23,7 +23,7 @@ from torch import nn
 
 from pp_tp.config import ParallelConfig, resolve_parallel
 from pp_tp.errors import ConfigError
-from pp_tp.integrations.torchtitan_parts import PipelineSchedule, init_part
+from pp_tp.integrations.torchtitan_parts import PipelineSchedule, init_part, init_rules
 
 
 def _ac_mode(ac_config: Any) -> str:
@@ -108,8 +108,9 @@ def pipelining_fn(
 
     pcfg = parallel_config(parallelism, training, ac_config, compile_config)
     pipe = pp_tp.build_pipeline(model, pp_tp.build_mesh(pcfg), pcfg, seed=seed, seq_len=training.seq_len)
+    rules, n_layers = init_rules(model), len(model.layers) if hasattr(model, "layers") else 0
     for part in pipe.model_parts:
-        part.init_weights = functools.partial(init_part, part, seed)
+        part.init_weights = functools.partial(init_part, part, seed, rules, n_layers)
         if hasattr(model, "get_attention_masks"):  # the Trainer builds masks through model_parts[0]
             part.get_attention_masks = model.get_attention_masks
     schedule = PipelineSchedule(pipe, training.local_batch_size, training.seq_len)

@@ -81,27 +81,47 @@ def _init_rule(module: nn.Module, name: str) -> Callable[[torch.Tensor], Any] | 
     return None if fn is None or getattr(fn, "__name__", "") == "skip_param_init" else fn
 
 
+def init_rules(model: nn.Module) -> dict[str, Callable[[torch.Tensor], Any] | None]:
+    """Canonical parameter key (the first name the model lists a parameter under) -> its torchtitan init.
+
+    A tied weight takes the rule of the name that does not skip it (torchtitan skips the embedding's).
+    """
+    canonical: dict[int, str] = {}
+    rules: dict[str, Callable[[torch.Tensor], Any] | None] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        key = canonical.setdefault(id(p), name)
+        parent, _, leaf = name.rpartition(".")
+        fn = _init_rule(model.get_submodule(parent) if parent else model, leaf)
+        if rules.get(key) is None:
+            rules[key] = fn
+    return rules
+
+
+def _generator_seed(seed: int, key: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
 @torch.no_grad()
-def init_part(part: nn.Module, seed: int, buffer_device: torch.device | None = None) -> None:
-    """torchtitan's `init_weights` for a pp_tp part: each parameter drawn with its module's own `param_init`
-    (torchtitan's distributions), on the full tensor from a generator seeded by (seed, FQN), then sliced
-    into the shard; then each torchtitan module's buffers (RoPE caches). Values depend on (seed, FQN) only."""
-    n_layers = len(part.get_submodule("layers")) if hasattr(part, "layers") else 0
-    for mod_fqn, module in part.named_modules():
-        for name, p in module.named_parameters(recurse=False):
-            fqn = f"{mod_fqn}.{name}" if mod_fqn else name
-            fn = _init_rule(module, name)
-            if fn is None:
-                if getattr(module, "_param_init", None) and name in module._param_init:
-                    continue  # skip_param_init: a tied weight, drawn under its other name
-                copy_full_(p, seeded_value(seed, fqn, p.shape, default_init_std(fqn, n_layers)))
-                continue
-            digest = hashlib.sha256(f"{seed}:{fqn}".encode()).digest()
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
-                full = torch.empty(p.shape, dtype=torch.float32)
-                fn(full)
-            copy_full_(p, full)
+def init_part(
+    part: nn.Module, seed: int, rules: dict[str, Any], n_layers: int, buffer_device: torch.device | None = None
+) -> None:
+    """torchtitan's `init_weights` for a pp_tp part: each parameter drawn with its torchtitan `param_init`
+    (`rules`, by canonical key) on the full tensor from a generator seeded by (seed, key), then sliced into
+    the shard; then each torchtitan module's buffers (RoPE caches). Values depend on (seed, key) only, so
+    tied copies on different stages start equal."""
+    keys = getattr(part, "checkpoint_keys", {})
+    for name, p in part.named_parameters():
+        key = keys.get(name, name)
+        fn = rules.get(key)
+        if fn is None:  # no torchtitan rule: pp_tp's default
+            copy_full_(p, seeded_value(seed, key, p.shape, default_init_std(key, n_layers)))
+            continue
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_generator_seed(seed, key))
+            full = torch.empty(p.shape, dtype=torch.float32)
+            fn(full)
+        copy_full_(p, full)
     for module in part.modules():
         if hasattr(module, "_init_self_buffers"):
             module._init_self_buffers(buffer_device=buffer_device)
