@@ -57,6 +57,23 @@ def _restore_rng(blob: bytes) -> None:
             torch.cuda.set_rng_state(mine["cuda"])
 
 
+def complete_steps(folder: str) -> list[int]:
+    """The steps of the complete checkpoints in `folder`, oldest first."""
+    if not os.path.isdir(folder):
+        return []
+    return sorted(
+        int(m.group(1))
+        for name in os.listdir(folder)
+        if (m := _FINAL.match(name)) and os.path.isfile(os.path.join(folder, name, ".metadata"))
+    )
+
+
+def latest_checkpoint(folder: str) -> str | None:
+    """The newest complete checkpoint in `folder`, or None."""
+    steps = complete_steps(folder)
+    return os.path.join(folder, f"step-{steps[-1]}") if steps else None
+
+
 class Checkpointer:
     """Saves every `checkpoint.interval` steps and at the end; resumes from the newest complete checkpoint."""
 
@@ -89,14 +106,7 @@ class Checkpointer:
 
     def latest(self) -> str | None:
         """The newest complete checkpoint in `checkpoint.folder`, or None."""
-        if not os.path.isdir(self.cfg.folder):
-            return None
-        steps = [
-            int(m.group(1))
-            for name in os.listdir(self.cfg.folder)
-            if (m := _FINAL.match(name)) and os.path.isfile(os.path.join(self.cfg.folder, name, ".metadata"))
-        ]
-        return os.path.join(self.cfg.folder, f"step-{max(steps)}") if steps else None
+        return latest_checkpoint(self.cfg.folder)
 
     def load(self, path: str) -> int:
         """Restores everything from `path` into the live objects; returns the step it was saved at."""

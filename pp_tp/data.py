@@ -153,11 +153,17 @@ class SyntheticSource:
 
 def make_source(cfg: JobConfig) -> Source:
     """The job's data source; checks run here, before any process group exists."""
-    if cfg.model.vocab_size < VOCAB:
+    if cfg.model.vocab_size < VOCAB and not cfg.data.tokenizer:
         raise ConfigError(
             f"model.vocab_size = {cfg.model.vocab_size}: data.source = {cfg.data.source!r} uses byte "
             f"tokens 0..255; set model.vocab_size >= {VOCAB}"
         )
+    if cfg.data.tokenizer or (cfg.validation.every and cfg.validation.split):
+        if cfg.data.source != "text":
+            raise ConfigError(f'data.tokenizer encodes text: set data.source = "text" (it is {cfg.data.source!r})')
+        from pp_tp.text_tokens import train_windows  # tokenizer.json, or a held-out tail of the text
+
+        return train_windows(cfg)
     if cfg.data.source == "text":
         return TextSource(cfg.data.path, cfg.training.seq_len)
     return SyntheticSource(cfg.training.seed, cfg.training.seq_len)

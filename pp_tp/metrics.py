@@ -39,6 +39,11 @@ def peak_memory_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def _hms(seconds: float) -> str:
+    m, s = divmod(int(round(seconds)), 60)
+    return f"{m // 60}h{m % 60:02d}m{s:02d}s" if m >= 60 else f"{m}m{s:02d}s"
+
+
 class MetricsLogger:
     """Formats a step's numbers; only the `writer` rank prints and appends to the JSONL file."""
 
@@ -50,16 +55,40 @@ class MetricsLogger:
         flops_per_token: float,
         world_size: int,
         device_peak_flops: float | None,
+        total_steps: int = 0,
     ):
         self.path, self.log_every, self.writer = path, log_every, writer
+        self.total_steps, self._times = total_steps, []
         self.flops_per_token, self.world_size, self.peak = flops_per_token, world_size, device_peak_flops
         if writer and path and os.path.dirname(path):
             os.makedirs(os.path.dirname(path), exist_ok=True)
 
+    def record(self, row: dict) -> None:
+        """Appends one non-step row (the layout, a skipped step) to the JSONL file on the writer rank."""
+        if self.writer and self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    def _eta_s(self, step: int, step_time_s: float) -> float:
+        """Remaining steps times the mean step time so far (the first step, with its warm-up, left out)."""
+        self._times.append(step_time_s)
+        recent = self._times[1:] or self._times
+        return max(self.total_steps - step, 0) * sum(recent) / len(recent)
+
     def log(
-        self, step: int, last: bool, loss: float, grad_norm: float, lr: float, tokens: int, step_time_s: float
+        self,
+        step: int,
+        last: bool,
+        loss: float,
+        grad_norm: float,
+        lr: float,
+        tokens: int,
+        step_time_s: float,
+        extra: dict | None = None,
     ) -> dict:
-        """The step's row (returned on every rank); printed and written on log steps by the writer rank."""
+        """The step's row (returned on every rank); printed and written on log steps by the writer rank.
+
+        `extra`: more figures for the row (val_loss, skipped_steps); with `total_steps`, an ETA too."""
         tps = tokens / step_time_s
         row = {
             "step": step,
@@ -72,8 +101,14 @@ class MetricsLogger:
         }
         if self.peak:
             row["mfu"] = self.flops_per_token * tps / (self.world_size * self.peak)
+        row.update(extra or {})
+        if self.total_steps:
+            row["eta_s"] = self._eta_s(step, step_time_s)
         if self.writer and (last or step % self.log_every == 0):
             mfu = f" | mfu {100 * row['mfu']:.1f}%" if "mfu" in row else ""
+            mfu += f" | val_loss {row['val_loss']:.4f}" if "val_loss" in row else ""
+            mfu += f" | skipped {row['skipped_steps']}" if row.get("skipped_steps") else ""
+            mfu += f" | {step}/{self.total_steps} eta {_hms(row['eta_s'])}" if "eta_s" in row else ""
             print(
                 f"step {step:>6} | loss {loss:.4f} | grad_norm {grad_norm:.3f} | lr {lr:.2e} | "
                 f"tok/s {tps:,.0f} | {step_time_s:.3f} s | peak {row['peak_mem_gib']:.2f} GiB{mfu}",

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 import pp_tp
-from pp_tp.checkpoint import Checkpointer
+from pp_tp import run_report
+from pp_tp.checkpoint import Checkpointer, latest_checkpoint
 from pp_tp.config import JobConfig, TrainingConfig
 from pp_tp.data import ShardedBatches, dp_coords, make_source
 from pp_tp.errors import ConfigError
@@ -28,9 +29,11 @@ from pp_tp.liveness import PeerWatch
 from pp_tp.mesh import init_distributed
 from pp_tp.metrics import MetricsLogger, peak_flops
 from pp_tp.models.factory import build_model
+from pp_tp.nonfinite import NonFiniteError, NonFiniteGuard, describe, is_finite
 from pp_tp.parallel.grads import clip_grad_norm_
 from pp_tp.stages import cost
 from pp_tp.stages.layouts import layout_for
+from pp_tp.validation import Validator
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -63,44 +66,88 @@ def build_optimizers(
     return optimizers, schedulers
 
 
-def train(cfg: JobConfig, before_step: Callable[[int], None] | None = None) -> list[dict]:
-    """Runs (or resumes) the job on this rank; returns one metrics row per step run here (global numbers).
-
-    `before_step(step)` runs at the start of every step (fault injection, profiling)."""
-    t = cfg.training
-    source = make_source(cfg)
-    init_distributed(t.comm_timeout_s)
-    torch.manual_seed(t.seed)
-    mesh = pp_tp.build_mesh(cfg.parallel)
-    model = build_model(cfg.model, "meta")
-    dims = layout_for(model).dims(model)
-    pipe = pp_tp.build_pipeline(model, mesh, cfg.parallel, seed=cfg.model.seed, seq_len=t.seq_len)
-    loader = ShardedBatches(source, t.batch_size, *dp_coords(mesh), seed=t.seed)
-    optimizers, schedulers = build_optimizers(pipe.model_parts, t, mesh.device_type)
-    ckpt = Checkpointer(cfg.checkpoint, pipe.model_parts, optimizers, schedulers, loader)
-    step = 0
-    resume = ckpt.latest() if cfg.checkpoint.enable else None
-    if resume:
-        step = ckpt.load(resume)
+def _one_step(pipe, mesh, loader, optimizers, schedulers, guard: NonFiniteGuard, t: TrainingConfig, step: int):
+    """Forward/backward, clip, and the optimizer step unless the loss or grad norm is non-finite (then stop,
+    or skip with training.skip_nonfinite). Returns (loss, grad_norm, lr, stepped)."""
+    ids, labels = loader.next()
+    for opt in optimizers:
+        opt.zero_grad()
+    guard.begin_step()
+    loss = float(pipe.step(ids, labels))
+    grad_norm = float(clip_grad_norm_(pipe.model_parts, t.max_norm, mesh))
+    lr = schedulers[0].get_last_lr()[0]
+    if not is_finite(loss, grad_norm):  # loss and norm are global: every rank takes this branch together
+        msg = describe(step, loss, grad_norm, guard.where())
+        if not t.skip_nonfinite:
+            raise NonFiniteError(f"{msg}; set training.skip_nonfinite = true to skip such steps")
+        for opt in optimizers:
+            opt.zero_grad()
         if dist.get_rank() == 0:
-            print(f"resumed from {resume} at step {step}", flush=True)
-            if step >= t.steps:
-                print(
-                    f"nothing to train: the run is complete (training.steps = {t.steps}); raise training.steps "
-                    f"to continue or delete {cfg.checkpoint.folder} to start over",
-                    flush=True,
-                )
+            print(f"skipped {msg}", flush=True)
+        return loss, grad_norm, lr, False
+    for opt, sched in zip(optimizers, schedulers):
+        opt.step()
+        sched.step()
+    return loss, grad_norm, lr, True
+
+
+def _metrics(cfg: JobConfig, dims, mesh) -> MetricsLogger:
+    t = cfg.training
     flops = dims.n_layers * cost.block_flops(dims, t.seq_len) + cost.head_flops(dims) + cost.embed_flops(dims)
     device_peak = (
         peak_flops(torch.cuda.get_device_name())
         if mesh.device_type == "cuda" and cfg.parallel.mixed_precision == "bf16"
         else None
     )
-    metrics = MetricsLogger(
-        t.metrics_file, t.log_every, dist.get_rank() == 0, flops, dist.get_world_size(), device_peak
+    return MetricsLogger(
+        t.metrics_file, t.log_every, dist.get_rank() == 0, flops, dist.get_world_size(), device_peak, t.steps
     )
+
+
+def _resume(ckpt: Checkpointer, resume: str | None, cfg: JobConfig) -> int:
+    if not resume:
+        return 0
+    step = ckpt.load(resume)
+    if dist.get_rank() == 0:
+        print(f"resumed from {resume} at step {step}", flush=True)
+        if step >= cfg.training.steps:
+            print(
+                f"nothing to train: the run is complete (training.steps = {cfg.training.steps}); raise "
+                f"training.steps to continue or delete {cfg.checkpoint.folder} to start over",
+                flush=True,
+            )
+    return step
+
+
+def train(cfg: JobConfig, before_step: Callable[[int], None] | None = None) -> list[dict]:
+    """Runs (or resumes) the job on this rank; returns one metrics row per step run here (global numbers).
+
+    `before_step(step)` runs at the start of every step (fault injection, profiling)."""
+    t = cfg.training
+    source = make_source(cfg)
+    validator = Validator(cfg)  # held-out text checked here, before any collective
+    plan = run_report.dry_run(cfg)
+    init_distributed(t.comm_timeout_s)
+    torch.manual_seed(t.seed)
+    mesh = pp_tp.build_mesh(cfg.parallel)
+    model = build_model(cfg.model, "meta")
+    dims = layout_for(model).dims(model)
+    resume = latest_checkpoint(cfg.checkpoint.folder) if cfg.checkpoint.enable else None
+    hf_dir, weights_line = run_report.initial_weights(cfg, resume)  # a DCP checkpoint wins over the HF load
+    pipe = pp_tp.build_pipeline(model, mesh, cfg.parallel, seed=cfg.model.seed, seq_len=t.seq_len, checkpoint=hf_dir)
+    pipe.checkpoint_dir = cfg.model.hf_path or None  # save_pretrained keeps its generation_config.json
+    loader = ShardedBatches(source, t.batch_size, *dp_coords(mesh), seed=t.seed)
+    optimizers, schedulers = build_optimizers(pipe.model_parts, t, mesh.device_type)
+    ckpt = Checkpointer(cfg.checkpoint, pipe.model_parts, optimizers, schedulers, loader)
+    step = _resume(ckpt, resume, cfg)
+    metrics = _metrics(cfg, dims, mesh)
+    text, layout_row = run_report.layout(cfg, mesh, pipe, plan)
+    if dist.get_rank() == 0:
+        print(f"{weights_line}\n{text}", flush=True)
+        metrics.record({**layout_row, "weights": weights_line})
+    guard = NonFiniteGuard(pipe.model_parts, pipe.pcfg.num_stages, pipe.device)
     watch = PeerWatch()
-    rows = []
+    rows, skipped = [], 0
     try:
         while step < t.steps:
             step += 1
@@ -108,26 +155,14 @@ def train(cfg: JobConfig, before_step: Callable[[int], None] | None = None) -> l
                 before_step(step)
             with watch.naming_dead_peers(step):
                 start = time.perf_counter()
-                ids, labels = loader.next()
-                for opt in optimizers:
-                    opt.zero_grad()
-                loss = float(pipe.step(ids, labels))
-                grad_norm = float(clip_grad_norm_(pipe.model_parts, t.max_norm, mesh))
-                lr = schedulers[0].get_last_lr()[0]
-                for opt, sched in zip(optimizers, schedulers):
-                    opt.step()
-                    sched.step()
-                rows.append(
-                    metrics.log(
-                        step,
-                        step == t.steps,
-                        loss,
-                        grad_norm,
-                        lr,
-                        t.batch_size * t.seq_len,
-                        time.perf_counter() - start,
-                    )
-                )
+                loss, grad_norm, lr, stepped = _one_step(pipe, mesh, loader, optimizers, schedulers, guard, t, step)
+                elapsed = time.perf_counter() - start
+                skipped += not stepped
+                extra = {"skipped_steps": skipped}
+                if validator.due(step, step == t.steps):
+                    extra["val_loss"] = validator.run(pipe, mesh)
+                tokens = t.batch_size * t.seq_len
+                rows.append(metrics.log(step, step == t.steps, loss, grad_norm, lr, tokens, elapsed, extra))
                 ckpt.maybe_save(step, last=step == t.steps)
     finally:
         watch.stop()
@@ -144,6 +179,9 @@ def main(argv: list[str] | None = None, before_step: Callable[[int], None] | Non
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteError as e:  # the same line on every rank; torchrun reports the failed ranks
+        print(f"error: {e}", file=sys.stderr)
+        return 3
     dist.destroy_process_group()
     return 0
 

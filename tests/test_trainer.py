@@ -102,7 +102,8 @@ def _last_per_step(path: str) -> dict[int, dict]:
     with open(path) as f:
         for line in f:
             row = json.loads(line)
-            rows[row["step"]] = row  # a restarted attempt rewrites the steps it repeats
+            if "event" not in row:  # step rows; the layout row is an event
+                rows[row["step"]] = row  # a restarted attempt rewrites the steps it repeats
     return rows
 
 

@@ -45,7 +45,6 @@ class ParallelConfig:
     compile_backend: str = "inductor"  # torch.compile backend; "aot_eager" compiles fast (CPU tests)
     float8: bool = False
     float8_fsdp_all_gather: bool = False  # FSDP all-gathers float8 weights (needs float8, dp_shard > 1, tp = 1)
-    float8_fsdp_all_gather: bool = False  # FSDP all-gathers float8 weights (needs float8, dp_shard > 1, tp = 1)
     embedding: str = "replicate"
     loss_parallel: bool = False
 
@@ -75,12 +74,25 @@ class TrainingConfig:
     log_every: int = 1
     metrics_file: str = ""
     comm_timeout_s: float = 300.0
+    skip_nonfinite: bool = False  # a non-finite loss or grad norm skips the step (counted) instead of stopping
 
 
 @dataclass
 class DataConfig:
     source: str = "synthetic"
     path: str = ""
+    tokenizer: str = ""  # an HF tokenizer directory (its tokenizer.json); "" = byte-level tokens
+
+
+@dataclass
+class ValidationConfig:
+    """`[validation]`: every `every` steps (0 = never), `steps` held-out batches of training.batch_size from
+    `path`, or with no path the last `split` fraction of the training text (then held out of training)."""
+
+    every: int = 0
+    steps: int = 1
+    path: str = ""
+    split: float = 0.0
 
 
 @dataclass
@@ -98,6 +110,7 @@ class JobConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
 
 
 # Allowed strings per section and key. A str|int field (fsdp_reshard_after_forward, fsdp_grad_reduce) is
@@ -139,6 +152,7 @@ BOUNDS: dict[str, tuple[tuple[str, float, bool], ...]] = {
         ("warmup_steps", 0, True),
     ),
     "checkpoint": (("interval", 0, True),),
+    "validation": (("every", 0, True), ("steps", 1, True), ("split", 0, True)),
 }
 
 # The split that needs a per-stage list, and that list's key.

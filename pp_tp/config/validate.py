@@ -7,6 +7,7 @@ import os
 
 from pp_tp.config.fields import checked
 from pp_tp.config.schema import CHOICES, SPLIT_ARGS, DataConfig, JobConfig, ParallelConfig, TrainingConfig
+from pp_tp.config.sections import check_validation
 from pp_tp.errors import ConfigError
 from pp_tp.schedules.registry import check_schedule, default_stages_per_rank
 
@@ -27,6 +28,7 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> JobConfig:
         training=_check_training(cfg.training, parallel),
         data=_check_data(cfg.data),
         checkpoint=checked("checkpoint", cfg.checkpoint),
+        validation=check_validation(checked("validation", cfg.validation), cfg.data),
     )
 
 

@@ -1,0 +1,64 @@
+"""What rank 0 tells the user before step 1: where the weights come from and the resolved layout
+(mesh, stage table, the planner's per-rank memory estimate); every figure also goes to the JSONL file."""
+
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from pp_tp.config import JobConfig
+from pp_tp.hf_checkpoint import has_weights
+from pp_tp.mesh import MESH_DIMS
+from pp_tp.schedules.pipeline import Pipeline
+
+
+def dry_run(cfg: JobConfig):  # -> pp_tp.planner.JobPlan | None
+    """The planner's dry run, on the rank that will be rank 0, before the process group exists (the dry run
+    needs a process of its own); None on other ranks, or once a process group is up (tests)."""
+    if dist.is_initialized() or os.environ.get("RANK", "0") != "0":
+        return None
+    from pp_tp.planner import plan_job
+
+    p = cfg.parallel
+    return plan_job(cfg, p.pp * p.tp * p.dp_replicate * p.dp_shard)
+
+
+def initial_weights(cfg: JobConfig, resume: str | None) -> tuple[str | None, str]:
+    """(HF directory to load, the log line saying where the weights come from)."""
+    hf = cfg.model.hf_path
+    if resume:
+        return None, f"weights: resuming from {resume} (wins over any initial load)"
+    if hf and has_weights(hf):
+        return hf, f"weights: loaded from {hf} (each rank reads its own slices)"
+    where = f"; {hf} has no safetensors" if hf else ""
+    return None, f"weights: random init (seed {cfg.model.seed}){where}"
+
+
+def layout(cfg: JobConfig, mesh: DeviceMesh, pipe: Pipeline, plan) -> tuple[str, dict]:
+    """The layout as text for rank 0's stdout and as one JSONL row."""
+    p = cfg.parallel
+    shape = {d: mesh[d].size() for d in MESH_DIMS}
+    lines = [
+        f"layout: {dist.get_world_size()} ranks, mesh " + " x ".join(f"{k}={v}" for k, v in shape.items())
+        + f"; schedule {p.schedule}, {p.microbatches} microbatches, {p.num_stages} stages; {p.mixed_precision}",
+        pipe.plan.table(),
+    ]  # fmt: skip
+    row: dict = {"event": "layout", "world_size": dist.get_world_size(), "mesh": shape, "schedule": p.schedule}
+    row["stages"] = [
+        {"stage": s.index, "pp_rank": s.rank, "blocks": list(s.blocks), "embed": s.embed, "head": s.head,
+         "params": s.params}
+        for s in pipe.plan.stages
+    ]  # fmt: skip
+    if plan is not None:
+        lines.append("planner estimate per rank (dp/tp coordinate 0, AdamW):")
+        row["memory_gib"] = {}
+        for r in plan.ranks:
+            gib = r.total_bytes / 2**30
+            row["memory_gib"][r.pp_rank] = gib
+            lines.append(f"  pp rank {r.pp_rank}: stages {r.stages}, peak {gib:.3f} GiB")
+    if pipe.checkpoint_casts:
+        row["casts"] = dict(pipe.checkpoint_casts)
+        lines.append("checkpoint dtype conversions: " + ", ".join(f"{k} x{n}" for k, n in row["casts"].items()))
+    return "\n".join(lines), row

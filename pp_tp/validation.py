@@ -1,0 +1,31 @@
+"""`[validation]`: every `every` steps, the mean loss over `steps` fixed held-out batches, forward only
+through the pipeline schedule (`Pipeline.evaluate`). The batches are the same at every evaluation and
+for every layout (a fixed order, shared out over DP ranks like the training batches)."""
+
+from __future__ import annotations
+
+from torch.distributed.device_mesh import DeviceMesh
+
+from pp_tp.config import JobConfig
+from pp_tp.data import ShardedBatches, dp_coords
+from pp_tp.schedules.pipeline import Pipeline
+from pp_tp.text_tokens import TokenWindows, validation_windows
+
+
+class Validator:
+    """Builds the held-out windows once (before any collective: errors are one line); `run` evaluates."""
+
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        self.windows: TokenWindows | None = validation_windows(cfg) if cfg.validation.every else None
+
+    def due(self, step: int, last: bool) -> bool:
+        every = self.cfg.validation.every
+        return bool(every) and (step % every == 0 or last)
+
+    def run(self, pipe: Pipeline, mesh: DeviceMesh) -> float:
+        """The mean of the held-out batches' global mean token losses; every rank calls it."""
+        t = self.cfg.training
+        batches = ShardedBatches(self.windows, t.batch_size, *dp_coords(mesh), seed=t.seed)
+        losses = [float(pipe.evaluate(*batches.next())) for _ in range(self.cfg.validation.steps)]
+        return sum(losses) / len(losses)
