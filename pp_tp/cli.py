@@ -15,7 +15,7 @@ from pp_tp import launch, parity, trainer
 from pp_tp.config import format_config, load_config
 from pp_tp.errors import ConfigError
 from pp_tp.job import add_job_args, check_job, load_job
-from pp_tp.planner import format_plan, plan_job
+from pp_tp.planner.cli import add_plan_args, run_plan
 
 EXIT_BAD_INPUT = 2
 
@@ -122,14 +122,14 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
         "fake process group): stages, mesh, memory per rank, bubble",
     )
     add_job_args(parser)
+    add_plan_args(parser)
     parser.set_defaults(run=_plan)
 
 
 def _plan(args: argparse.Namespace) -> int:
     cfg, _ = check_job(load_job(args), args.world_size)
     p = cfg.parallel
-    print(format_plan(plan_job(cfg, p.pp * p.dp_replicate * p.dp_shard * p.tp)))
-    return 0
+    return run_plan(args, cfg, p.pp * p.dp_replicate * p.dp_shard * p.tp)
 
 
 if __name__ == "__main__":

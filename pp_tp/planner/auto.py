@@ -62,8 +62,8 @@ def choose(rank: RankMemory, actions: list, pcfg: ParallelConfig) -> tuple[str |
     what, size = max(parts.items(), key=lambda kv: kv[1])
     raise ConfigError(
         f"parallel.memory_budget_gib = {pcfg.memory_budget_gib:g}: no FSDP policy fits pp rank {rank.pp_rank}; "
-        f"the smallest predicted peak is {peak / GIB:.2f} GiB (fsdp_reshard_after_forward = {r!r}, "
-        f"fsdp_grad_reduce = {g!r}), dominated by {what} ({size / GIB:.2f} GiB); raise the budget or change "
+        f"the smallest predicted peak is {peak / GIB:.4g} GiB (fsdp_reshard_after_forward = {r!r}, "
+        f"fsdp_grad_reduce = {g!r}), dominated by {what} ({size / GIB:.4g} GiB); raise the budget or change "
         "the layout (pp-tp plan --search)"
     )
 

@@ -24,7 +24,13 @@ def format_plan(job: JobPlan) -> str:
     """The dry run as text: mesh, stage table, per-rank memory, schedules."""
     p, t, m = job.cfg.parallel, job.cfg.training, job.cfg.model
     mesh = " x ".join(f"{k}={v}" for k, v in job.mesh.items())
-    fsdp = f"FSDP reshard_after_forward={p.fsdp_reshard_after_forward}" if uses_fsdp(p) else "no FSDP"
+    chosen = job.policies or p
+    fsdp = (
+        f"FSDP reshard_after_forward={chosen.fsdp_reshard_after_forward} grad_reduce={chosen.fsdp_grad_reduce}"
+        + (" (auto, per pp rank where a list)" if "auto" in (p.fsdp_reshard_after_forward, p.fsdp_grad_reduce) else "")
+        if uses_fsdp(p)
+        else "no FSDP"
+    )
     lines = [
         f"world: {job.world_size} ranks (fake process group); mesh {mesh}",
         (
@@ -84,5 +90,9 @@ def format_plan(job: JobPlan) -> str:
                 held,
             )
         )
-    lines += [_table(rows), "", f"(* configured; dry run took {job.seconds:.1f} s)"]
+    lines += [
+        _table(rows),
+        "",
+        f"largest per-rank peak: {_size(job.peak_bytes)} (* configured; dry run took {job.seconds:.1f} s)",
+    ]
     return "\n".join(lines)
