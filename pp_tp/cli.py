@@ -11,7 +11,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from pp_tp import launch, parity, trainer
+from pp_tp import export, launch, parity, trainer
 from pp_tp.config import format_config, load_config
 from pp_tp.errors import ConfigError
 from pp_tp.job import add_job_args, check_job, load_job
@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The parser with every subcommand registered; a new subcommand adds its `_add_<name>` below."""
     parser = argparse.ArgumentParser(prog="pp-tp", description="Pipeline- and tensor-parallel Transformer training.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="command")
-    for add in (_add_check, _add_parity, _add_train, _add_plan):
+    for add in (_add_check, _add_parity, _add_train, _add_plan, _add_export):
         add(commands)
     return parser
 
@@ -130,6 +130,22 @@ def _plan(args: argparse.Namespace) -> int:
     cfg, _ = check_job(load_job(args), args.world_size)
     p = cfg.parallel
     return run_plan(args, cfg, p.pp * p.dp_replicate * p.dp_shard * p.tp)
+
+
+def _add_export(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "export", help="write the run's DCP checkpoint (latest, or --step N) as a Hugging Face model directory"
+    )
+    export.add_export_args(parser)
+    parser.add_argument("--nproc", type=int, default=None, help="spawn this many local ranks (default: 1 process)")
+    parser.set_defaults(run=_export)
+
+
+def _export(args: argparse.Namespace) -> int:
+    """One process here unless --nproc N (through torchrun) or already under torchrun."""
+    if args.nproc:
+        return launch.run_under_torchrun(args.nproc, "pp_tp.export", _without_nproc(args.argv[1:]))
+    return export.main(args.argv[1:])
 
 
 if __name__ == "__main__":
