@@ -17,6 +17,7 @@ from pp_tp.stages.plan import plan_stages
 # name: (world size, parameters in billions, layers per stage)
 SHIPPED = {
     "debug_cpu": (4, 0.0002177, [2, 2]),
+    "hf_tiny_cpu": (4, 0.0008695, [2, 2]),
     "llama3_8b": (8, 8.03, [16, 16]),
     "llama3_70b": (32, 70.55, [10] * 8),
     "llama3_405b": (128, 405.85, [7] + [8] * 14 + [7]),

@@ -69,14 +69,12 @@ def test_round_trip_pp2_tp2_dp2_is_exact(world, tmp_path):
 
 
 def test_round_trip_of_a_tied_model_stores_it_once(world, tmp_path):
-    # Tied embeddings run at pp1 only until tied-across-pp lands (preflight.check_tied refuses it); lr = 0
-    # because the stage builder unties them on materialization today (see the xfail below).
-    _check_roundtrip(world(1).run(roundtrip_case, str(tmp_path), dict(pp=1, microbatches=2), True, 0.0), tie=True)
-
-
-@pytest.mark.xfail(reason="stage building unties tied weights (to_empty makes two params); the lead's tied rework")
-def test_a_trained_tied_model_round_trips(world, tmp_path):
     _check_roundtrip(world(1).run(roundtrip_case, str(tmp_path), dict(pp=1, microbatches=2), True), tie=True)
+
+
+def test_round_trip_of_a_model_tied_across_pp2_tp2_dp2(world, tmp_path):
+    kw = dict(pp=2, tp=2, dp_shard=2, schedule="1F1B", microbatches=2, embedding="vocab_parallel")
+    _check_roundtrip(world(8).run(roundtrip_case, str(tmp_path), kw, True), tie=True)
 
 
 def bf16_case(tmp: str) -> dict:
