@@ -16,6 +16,7 @@ from pp_tp.parallel.fsdp import for_pp_rank, grad_factor
 from pp_tp.preflight import check_seq_len, preflight
 from pp_tp.schedules.pipeline import BoundaryShapes, Pipeline
 from pp_tp.stages.build import build_local_stages
+from pp_tp.stages.tied import TiedWeights, tied_names
 
 
 def build_pipeline(
@@ -44,6 +45,7 @@ def build_pipeline(
         else torch.device("cpu")
     )
     pp_rank = mesh.get_local_rank("pp")
+    tied = tied_names(model)  # before the stages are materialized, which unties the shared modules
     casts: Counter = Counter()
     stages = build_local_stages(model, layout, plan, pp_rank, mesh, pcfg, device, seed, state_dict, source, casts)
     act_dtype = torch.bfloat16 if pcfg.mixed_precision == "bf16" else torch.float32
@@ -56,4 +58,5 @@ def build_pipeline(
     tp_loss_mesh = mesh["tp"] if pcfg.loss_parallel and pcfg.tp > 1 else None
     pipe = Pipeline(stages, plan, mesh, pcfg, device, shapes, grad_factor(pcfg), tp_loss_mesh)
     pipe.hf_config, pipe.checkpoint_dir, pipe.checkpoint_casts = getattr(model, "config", None), checkpoint, casts
+    pipe.tied = TiedWeights(tied, plan, mesh) if tied else None
     return pipe

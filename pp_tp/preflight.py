@@ -30,8 +30,9 @@ class Preflight:
 
 def check_model_shape(pcfg: ParallelConfig, d: ModelDims) -> None:
     """Refuses a model shape TP cannot shard evenly (heads, KV heads, FFN, vocabulary)."""
-    _check_divisible("model.dim", d.dim, "model.n_heads", d.n_heads)
-    if (d.dim // d.n_heads) % 2:
+    if not d.head_dim:  # head_dim derived from dim: it must divide, and RoPE needs it even
+        _check_divisible("model.dim", d.dim, "model.n_heads", d.n_heads)
+    if not d.head_dim and (d.dim // d.n_heads) % 2:
         raise ConfigError(
             f"model.dim / model.n_heads = {d.dim} / {d.n_heads} = {d.dim // d.n_heads} is an odd "
             "head_dim; RoPE rotates channel pairs, so pick model.dim and model.n_heads giving an even "
@@ -56,12 +57,12 @@ def check_seq_len(seq_len: int, d: ModelDims, key: str = "training.seq_len") -> 
 
 
 def check_tied(pcfg: ParallelConfig, d: ModelDims) -> None:
-    """Tied input/output embeddings run on one rank only (until the embedding group lands)."""
-    if d.tied and (pcfg.pp > 1 or pcfg.tp > 1 or pcfg.dp > 1):
+    """Tied embeddings under TP: the embedding and the column-parallel head must share one (vocabulary) sharding."""
+    if d.tied and pcfg.tp > 1 and pcfg.embedding != "vocab_parallel":
         raise ConfigError(
-            "model.tie_embeddings = true: tied input/output embeddings across pipeline stages are "
-            "not supported (nor with tp or dp > 1); set model.tie_embeddings = false or "
-            "parallel.pp = parallel.tp = parallel.dp = 1"
+            f"parallel.embedding = {pcfg.embedding!r}: the model ties its input and output embeddings, and with "
+            'parallel.tp > 1 the head is sharded on the vocabulary; set parallel.embedding = "vocab_parallel" so '
+            "both copies share one sharding"
         )
 
 

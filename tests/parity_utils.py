@@ -56,8 +56,7 @@ def reference_state(args: ModelArgs = TINY, hf: bool = False, seed: int = 0) -> 
             torch.randn(v.shape, generator=gen) * (0.1 if k.endswith("bias") else 0.05)
             + (1.0 if k.endswith("norm.weight") else 0.0)
         )
-        for k, v in model.state_dict().items()
-        if v.is_floating_point()
+        for k, v in model.named_parameters()  # a tied weight once, under its canonical name
     }
 
 

@@ -244,7 +244,7 @@ ERROR_CASES = [
     (
         ["model.tie_embeddings=true"],
         WORLD,
-        ["tied input/output embeddings across pipeline stages are not supported", "set model.tie_embeddings = false"],
+        ["parallel.embedding = 'replicate'", "ties its input and output embeddings", "vocab_parallel"],
     ),
     # schedules
     (["parallel.schedule=1F1b"], WORLD, ["parallel.schedule = '1F1b' is unknown", "did you mean '1F1B'"]),
@@ -253,7 +253,7 @@ ERROR_CASES = [
         WORLD,
         ["parallel.stages_per_rank = 1", "needs exactly 2"],
     ),
-    (["parallel.pp=1", "parallel.tp=2", "model.tie_embeddings=true"], 2, ["tied input/output embeddings"]),
+    (["parallel.pp=1", "parallel.tp=2", "model.tie_embeddings=true"], 2, ["ties its input and output embeddings"]),
     (["parallel.microbatches=1", "training.batch_size=2"], WORLD, ["parallel.microbatches = 1", "raise"]),
     (["parallel.schedule=missing.csv"], WORLD, ["parallel.schedule = 'missing.csv'", "file not found"]),
     # batch and sequence

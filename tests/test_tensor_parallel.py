@@ -15,9 +15,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import pp_tp
 from pp_tp.errors import ConfigError
-from pp_tp.models.hf import HF_LLAMA
 from pp_tp.models.reference import REFERENCE
 from pp_tp.parallel.tensor_parallel import block_plan, check_tp_plan, verify
+from pp_tp.stages.layouts import layout_for
 from pp_tp.stages.plan import plan_stages
 from pp_tp.stages.stage_module import StageModule
 
@@ -66,7 +66,8 @@ def test_unknown_style_is_one_line_config_error():
 def test_builtin_layout_plans_cover_every_linear(hf, qk_norm):
     args = dataclasses.replace(QKB, qk_norm=qk_norm)
     model = make_model(args, hf, device="meta")
-    layout = HF_LLAMA if hf else REFERENCE
+    layout = layout_for(model)
+    assert layout.name == ("hf" if hf else "reference")
     block = model.get_submodule(layout.blocks)[0 if hf else "0"]
     plan = block_plan(block, layout)
     report = verify(block, plan)

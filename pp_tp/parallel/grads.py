@@ -20,13 +20,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 
-def _grouped(model_parts: Iterable[nn.Module]) -> list[list[nn.Parameter]]:
-    """Parameters that have gradients, grouped by the gradient's (mesh, placements); plain ones by device."""
+def _grouped(model_parts: Iterable[nn.Module], counted: bool = False) -> list[list[nn.Parameter]]:
+    """Parameters that have gradients, grouped by the gradient's (mesh, placements); plain ones by device.
+
+    `counted`: only the copy of a tied weight held under its canonical name (a stage's `checkpoint_keys`),
+    so the norm counts a tied weight once however many stages hold it."""
     groups: dict[object, list[nn.Parameter]] = defaultdict(list)
     for part in model_parts:
-        for p in part.parameters():
+        keys = getattr(part, "checkpoint_keys", {})
+        for name, p in part.named_parameters():
             g = p.grad
-            if g is not None:
+            if g is not None and not (counted and keys.get(name, name) != name):
                 groups[(g.device_mesh, g.placements) if isinstance(g, DTensor) else g.device].append(p)
     return list(groups.values())
 
@@ -49,7 +53,7 @@ def _total_norm(groups: list[list[nn.Parameter]], mesh: DeviceMesh, norm_type: f
 @torch.no_grad()
 def total_grad_norm(model_parts: Iterable[nn.Module], mesh: DeviceMesh, norm_type: float = 2.0) -> torch.Tensor:
     """The norm of all gradients of the whole model, as a single-process run would compute it, on every rank."""
-    return _total_norm(_grouped(model_parts), mesh, norm_type)
+    return _total_norm(_grouped(model_parts, counted=True), mesh, norm_type)
 
 
 @torch.no_grad()
@@ -60,8 +64,7 @@ def clip_grad_norm_(
 
     Every rank of the mesh must call it (it all-reduces over pp and gathers DTensor norms over tp/dp).
     """
-    groups = _grouped(model_parts)
-    total = _total_norm(groups, mesh, norm_type)
-    for params in groups:  # one call per group: foreach kernels do not mix DTensors of different meshes
+    total = _total_norm(_grouped(model_parts, counted=True), mesh, norm_type)
+    for params in _grouped(model_parts):  # one call per group: foreach kernels do not mix DTensors of different meshes
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total

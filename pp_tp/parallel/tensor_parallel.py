@@ -74,6 +74,9 @@ STYLES: dict[str, Callable[[], ParallelStyle | None]] = {
     "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate(), use_local_output=True),
     # Weight sharded on in_features; the partial sums are all-reduced, the bias is added once.
     "rowwise": lambda: RowwiseParallel(use_local_output=True),
+    # Weight sharded on in_features, the replicated input sliced locally, the partial sums all-reduced
+    # (after a gathered column-parallel layer, e.g. HF's fused projections).
+    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate(), use_local_output=True),
     # nn.Embedding sharded on the vocabulary; each rank looks up its rows, the sum is all-reduced.
     "vocab_parallel": lambda: RowwiseParallel(input_layouts=Replicate(), use_local_output=True),
     # Replicated weights on a head-sharded input (q/k norms): the weights become Replicate DTensors, so
@@ -91,7 +94,7 @@ _INPUT_STYLES = {"replicate_input"}
 
 # The nn.Linear weight dim each style splits, for the divisibility check (blocks hold Linear layers;
 # the embedding's vocabulary is checked with the model shape).
-_LINEAR_SHARDED_DIM = {"colwise": 0, "colwise_gather_output": 0, "rowwise": 1}
+_LINEAR_SHARDED_DIM = {"colwise": 0, "colwise_gather_output": 0, "rowwise": 1, "rowwise_split_input": 1}
 
 
 def register_tp_style(
@@ -194,6 +197,8 @@ def check_tp_plan(model: nn.Module, layout: ModelLayout, pcfg: ParallelConfig) -
     Linear layers no rule covers only warn: they run whole on every TP rank, which is correct but wasteful."""
     if pcfg.tp == 1:
         return
+    if layout.tp_refusal:
+        raise ConfigError(layout.tp_refusal)
     unsharded: set[str] = set()
     for key, block in model.get_submodule(layout.blocks).named_children():
         report = verify(block, block_plan(block, layout))
@@ -224,7 +229,21 @@ def apply_tp(stage: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig) -> bool:
     styles = {fqn: style for fqn, name in report.resolved.items() if (style := STYLES[name]()) is not None}
     # src_data_rank=None: shard locally; values are filled after materialization (tensor_utils.copy_full_).
     parallelize_module(stage, mesh["tp"], styles, src_data_rank=None)
+    _retie(stage)
     return True
+
+
+def _retie(stage: StageModule) -> None:
+    """Points every copy of a tied weight inside the stage back at one parameter: each style distributed
+    its own copy, and a tied weight must stay one tensor with one gradient (the shardings match, as
+    preflight requires)."""
+    first: dict[str, nn.Parameter] = {}
+    for name, p in list(stage.named_parameters(remove_duplicate=False)):
+        key = stage.checkpoint_keys[name]
+        if key in first and p is not first[key]:
+            owner, _, attr = name.rpartition(".")
+            setattr(stage.get_submodule(owner), attr, first[key])
+        first.setdefault(key, p)
 
 
 def reduce_partial_grads(modules: Iterable[nn.Module]) -> None:

@@ -22,15 +22,13 @@ from pp_tp.parallel.apply import parallelize_stage
 from pp_tp.seeded_init import seeded_value
 from pp_tp.stages.layouts import ModelLayout
 from pp_tp.stages.plan import StagePlan
-from pp_tp.stages.stage_module import StageModule
+from pp_tp.stages.stage_module import StageModule, canonical_names
 from pp_tp.tensor_utils import copy_full_
 
 
-def _capture_weights(stage: StageModule) -> dict[str, torch.Tensor] | None:
+def _capture_weights(stage: StageModule) -> dict[str, torch.Tensor]:
     """A model handed over with real weights: keep them by canonical FQN, then treat the stage like a meta one."""
     named = dict(stage.named_parameters())
-    if not named or all(p.is_meta for p in named.values()):
-        return None
     weights = {stage.checkpoint_keys[k]: p.detach().clone() for k, p in named.items()}
     stage.to_empty(device="meta")
     return weights
@@ -70,9 +68,12 @@ def build_local_stages(
 ) -> list[StageModule]:
     """This rank's stage modules: pruned, parallelized (TP -> float8 -> AC -> compile -> FSDP), materialized, filled."""
     stages = []
+    # Both read off the model before its first stage is materialized (which replaces shared modules' tensors).
+    aliases = canonical_names(model)
+    has_weights = any(not p.is_meta for p in model.parameters())
     for spec in plan.for_rank(pp_rank):
-        stage = StageModule(model, layout, spec)
-        weights = _capture_weights(stage)
+        stage = StageModule(model, layout, spec, aliases)
+        weights = _capture_weights(stage) if has_weights else None
         parallelize_stage(stage, mesh, pcfg)
         stage.to_empty(device=device)
         if checkpoint is not None:  # an HF checkpoint: only this rank's slices are read

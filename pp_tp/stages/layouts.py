@@ -30,6 +30,7 @@ class ModelDims:
     vocab_size: int
     max_seq_len: int
     tied: bool
+    head_dim: int = 0  # 0: dim // n_heads; else the model's own (then dim need not be n_heads * head_dim)
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,11 @@ class ModelLayout:
     ``tp_plan``: block-relative FQN -> style name, used by the tensor-parallel pass. "replicate_input" on the
     attention and MLP modules makes backward all-reduce once per sub-block, not once per column-parallel Linear.
     ``attention``: block-relative name of the attention module (selective activation checkpointing).
+    ``after_embed(h)`` / ``after_head(logits)``: what the model's own forward does outside its modules right
+    after the embedding and after the head (embedding multipliers, logit scaling or softcapping).
+    ``tp_refusal``: why this model cannot run with parallel.tp > 1 (raised in one line), or None.
+    ``specialize(model)``: for a layout that matches a whole family (e.g. every Hugging Face decoder LM), the
+    layout of this one model; it may refuse the model in one line.
     """
 
     name: str
@@ -60,6 +66,10 @@ class ModelLayout:
     qk_norms: tuple[str, ...] = ()
     attention: str = "attention"
     init_std: InitStd = default_init_std
+    after_embed: Callable[[torch.Tensor], torch.Tensor] | None = None
+    after_head: Callable[[torch.Tensor], torch.Tensor] | None = None
+    specialize: Callable[[nn.Module], ModelLayout] | None = None
+    tp_refusal: str | None = None
 
     def block_keys(self, model: nn.Module) -> list[str]:
         """The blocks' names inside the blocks container, in execution order."""
@@ -78,7 +88,7 @@ def layout_for(model: nn.Module) -> ModelLayout:
     """The most recently registered layout that matches `model`; refused in one line when none does."""
     for layout in _LAYOUTS:
         if layout.matches(model):
-            return layout
+            return layout.specialize(model) if layout.specialize is not None else layout
     raise ConfigError(
         f"model {type(model).__name__}: no model layout matches it; register one with "
         "pp_tp.extend.register_layout (see ModelLayout)"

@@ -38,22 +38,31 @@ def _attach(root: nn.Module, model: nn.Module, fqn: str) -> None:
         node.register_buffer(leaf, src.get_buffer(leaf), persistent=is_persistent_buffer(src, leaf))
 
 
+def canonical_names(model: nn.Module) -> dict[str, str]:
+    """Every parameter name -> its canonical one: a tied weight has several names, the first the model lists wins.
+
+    Take it before any stage of a rank is materialized: that replaces the shared modules' tensors and unties them.
+    """
+    first: dict[int, str] = {}
+    names = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names[name] = first.setdefault(id(p), name)
+    return names
+
+
 class StageModule(nn.Module):
     """One pipeline stage. `named_parameters()` yields exactly the full model's names for what it owns."""
 
-    def __init__(self, model: nn.Module, layout: ModelLayout, spec: StageSpec):
+    def __init__(self, model: nn.Module, layout: ModelLayout, spec: StageSpec, aliases: dict[str, str] | None = None):
         super().__init__()
         self.layout = layout
         self.spec = spec
         for fqn in spec.fqns + list(layout.shared):
             _attach(self, model, fqn)
-        # Each local parameter name -> the model's canonical key for its value (seeded init, checkpoints): a tied
-        # weight has several names in the model, and its canonical one is the first the full model lists.
-        canonical: dict[int, str] = {}
-        for name, p in model.named_parameters(remove_duplicate=False):
-            canonical.setdefault(id(p), name)
+        aliases = canonical_names(model) if aliases is None else aliases
+        # Each local parameter name -> the model's canonical key for its value (seeded init, checkpoints).
         self.checkpoint_keys: dict[str, str] = {
-            name: canonical[id(p)] for name, p in self.named_parameters(remove_duplicate=False)
+            name: aliases.get(name, name) for name, _ in self.named_parameters(remove_duplicate=False)
         }
 
     @property
@@ -72,12 +81,18 @@ class StageModule(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lay = self.layout
-        h = self.get_submodule(lay.embed)(x) if self.is_first else x
-        extras = lay.block_inputs(self, h)
-        for block in self.blocks():
-            h = lay.call_block(block, h, extras)
+        if self.is_first:
+            h = self.get_submodule(lay.embed)(x)
+            h = lay.after_embed(h) if lay.after_embed is not None else h
+        else:
+            h = x
+        if self.spec.blocks:
+            extras = lay.block_inputs(self, h)
+            for block in self.blocks():
+                h = lay.call_block(block, h, extras)
         if self.is_last:
             h = self.get_submodule(lay.head)(self.get_submodule(lay.norm)(h))
+            h = lay.after_head(h) if lay.after_head is not None else h
         if isinstance(h, AsyncCollectiveTensor):  # a TP all-reduce/all-gather still in flight: finish it here
             h = wait_tensor(h)
         if is_traceable_wrapper_subclass(h):  # DTensor & co.; a FakeTensor (planner dry run) is plain

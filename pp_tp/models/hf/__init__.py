@@ -1,8 +1,8 @@
-"""Hugging Face transformers models (registered on import; transformers itself is imported lazily)."""
+"""Hugging Face transformers decoder LMs (the layout registers on import; transformers is imported lazily)."""
 
-from pp_tp.models.hf.layout import HF_LLAMA
+from pp_tp.models.hf.layout import HF
 from pp_tp.stages.layouts import register_layout
 
-register_layout(HF_LLAMA)
+register_layout(HF)
 
-__all__ = ["HF_LLAMA"]
+__all__ = ["HF"]

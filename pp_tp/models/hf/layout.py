@@ -1,80 +1,216 @@
-"""Hugging Face decoder LMs: the model layout and tensor-parallel plan pp_tp uses for them."""
+"""Any Hugging Face decoder LM, laid out from what the model declares about itself.
+
+The embedding, blocks and final norm come from the config's `base_model_pp_plan` under the model's
+`base_model_prefix`; the head is `get_output_embeddings()`. Blocks are called the way the model's own
+forward calls them: masks built per microbatch by transformers' own mask functions (causal or sliding
+window, per layer type), position ids, and rotary embeddings from the model's rotary module (per layer
+type where it has several). What the forward does outside its modules (embedding multipliers, logit
+scaling, final softcapping) is carried into the first and last stage. `self_check` then proves the
+composition equal to the model's own forward on a small copy, or refuses the family in one line.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import sys
 from typing import Any
 
 import torch
 from torch import nn
 
+from pp_tp.errors import ConfigError
+from pp_tp.models.hf.buffers import init_buffers
+from pp_tp.models.hf.extras import after_embed, after_head
+from pp_tp.models.hf.self_check import self_check
+from pp_tp.models.hf.tp_plan import block_tp_plan
 from pp_tp.stages.layouts import ModelDims, ModelLayout
 
-
-def _is_hf_llama_like(model: nn.Module) -> bool:
-    inner = getattr(model, "model", None)
-    return (
-        hasattr(model, "lm_head")
-        and inner is not None
-        and all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb"))
-    )
+FULL, SLIDING = "full_attention", "sliding_attention"
 
 
-def _hf_dims(model: nn.Module) -> ModelDims:
+def is_hf_model(model: nn.Module) -> bool:
+    """A transformers PreTrainedModel, its subclasses and remote-code models included (no import of transformers
+    unless the caller already imported it)."""
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
+
+
+def _refuse(model: nn.Module, why: str) -> ConfigError:
+    return ConfigError(f"model {type(model).__name__}: {why}")
+
+
+def _pp_plan(model: nn.Module) -> tuple[str, str, str]:
+    """(embedding, blocks, norm) names inside the base model, from its declared base_model_pp_plan."""
+    plan = getattr(model.config, "base_model_pp_plan", None)
+    if not plan:
+        raise _refuse(model, "declares no base_model_pp_plan; register a layout for it (pp_tp.extend.register_layout)")
+    names = list(plan)
+    firsts = [inputs[0] if inputs else None for inputs, _ in plan.values()]
+    if len(names) != 3 or firsts[0] != "input_ids" or firsts[1] != "hidden_states":
+        raise _refuse(model, f"base_model_pp_plan {plan} is not embedding -> layers -> norm; register a layout for it")
+    return names[0], names[1], names[2]
+
+
+def _module_name(model: nn.Module, module: nn.Module | None, what: str) -> str:
+    for name, m in model.named_modules():
+        if m is module and name:
+            return name
+    raise _refuse(model, f"has no {what} module; pp_tp needs one")
+
+
+def _layer_types(model: nn.Module, n_layers: int) -> list[str]:
+    """Each layer's attention type, as the model's forward picks its mask."""
+    config = model.config
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return list(types[:n_layers])
+    return [SLIDING if getattr(config, "sliding_window", None) is not None else FULL] * n_layers
+
+
+def _dims(model: nn.Module) -> ModelDims:
     c = model.config
+    heads = c.num_attention_heads
+    tied = model.get_input_embeddings().weight is model.get_output_embeddings().weight
     return ModelDims(
         c.num_hidden_layers,
         c.hidden_size,
-        c.num_attention_heads,
-        getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
-        c.intermediate_size,
+        heads,
+        getattr(c, "num_key_value_heads", None) or heads,
+        getattr(c, "intermediate_size", None) or 4 * c.hidden_size,
         c.vocab_size,
         c.max_position_embeddings,
-        bool(getattr(c, "tie_word_embeddings", False)),
+        tied,
+        head_dim=getattr(c, "head_dim", None) or 0,
     )
 
 
-def _hf_block_inputs(stage: nn.Module, h: torch.Tensor) -> tuple[Any, ...]:
-    position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-    return (position_ids, stage.get_submodule("model.rotary_emb")(h, position_ids))
+class BlockContext:
+    """What every block of one microbatch needs besides the hidden state: masks and rotary embeddings."""
+
+    def __init__(self, model: nn.Module, rotary: str | None, layer_types: dict[int, str], block_kwargs: set[str]):
+        self.config = model.config
+        self.rotary = rotary
+        self.layer_types = layer_types  # id(block) -> attention type
+        self.block_kwargs = block_kwargs
+        self.per_type_rotary = (
+            rotary is not None and "layer_type" in inspect.signature(model.get_submodule(rotary).forward).parameters
+        )
+
+    def inputs(self, stage: nn.Module, h: torch.Tensor) -> tuple[Any, ...]:
+        """Masks by attention type, position ids and position embeddings for this microbatch."""
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        kwargs = {
+            "config": self.config,
+            "inputs_embeds": h,
+            "attention_mask": None,
+            "past_key_values": None,
+            "position_ids": position_ids,
+        }
+        types = set(self.layer_types.values())
+        makers = {FULL: create_causal_mask, SLIDING: create_sliding_window_causal_mask}
+        masks = {t: makers[t](**kwargs) for t in types}
+        embeddings: Any = None
+        if self.rotary is not None:
+            rotary = stage.get_submodule(self.rotary)
+            if self.per_type_rotary:
+                embeddings = {t: rotary(h, position_ids, t) for t in types}
+            else:
+                embeddings = rotary(h, position_ids)
+        return position_ids, masks, embeddings
+
+    def call(self, block: nn.Module, h: torch.Tensor, extras: tuple[Any, ...]) -> torch.Tensor:
+        """One decoder layer, called with the keywords the model's own forward passes it."""
+        position_ids, masks, embeddings = extras
+        kind = self.layer_types[id(block)]
+        kwargs = {
+            "attention_mask": masks[kind],
+            "position_ids": position_ids,
+            "past_key_values": None,
+            "use_cache": False,
+        }
+        if embeddings is not None:
+            kwargs["position_embeddings"] = embeddings[kind] if self.per_type_rotary else embeddings
+        out = block(h, **{k: v for k, v in kwargs.items() if k in self.block_kwargs})
+        return out[0] if isinstance(out, tuple) else out
 
 
-def _hf_call_block(block: nn.Module, h: torch.Tensor, extras: tuple[Any, ...]) -> torch.Tensor:
-    position_ids, position_embeddings = extras
-    # attention_mask=None: SDPA attention is causal.
-    out = block(h, attention_mask=None, position_ids=position_ids, position_embeddings=position_embeddings)
-    return out[0] if isinstance(out, tuple) else out
+def _params(fn: Any) -> set[str]:
+    return set(inspect.signature(fn).parameters)
 
 
-def _hf_init_buffers(stage: nn.Module, model: nn.Module) -> None:
-    rot = stage.get_submodule("model.rotary_emb")
-    fresh = type(rot)(config=model.config)
-    for name, buf in fresh.named_buffers():
-        setattr(rot, name, buf.to(rot.inv_freq.device))
+def specialize(model: nn.Module) -> ModelLayout:
+    """This model's layout, proven equal to its own forward on a small copy (self_check); refused in one
+    line where it cannot be."""
+    layout = compose(model)
+    self_check(model, compose)
+    return layout
 
 
-HF_LLAMA = ModelLayout(
-    name="hf_llama",
-    matches=_is_hf_llama_like,
-    dims=_hf_dims,
-    embed="model.embed_tokens",
-    blocks="model.layers",
-    norm="model.norm",
-    head="lm_head",
-    shared=("model.rotary_emb",),
-    block_inputs=_hf_block_inputs,
-    call_block=_hf_call_block,
-    init_buffers=_hf_init_buffers,
-    tp_plan={
-        "self_attn": "replicate_input",
-        "mlp": "replicate_input",
-        "self_attn.q_proj": "colwise",
-        "self_attn.k_proj": "colwise",
-        "self_attn.v_proj": "colwise",
-        "self_attn.o_proj": "rowwise",
-        "mlp.gate_proj": "colwise",
-        "mlp.up_proj": "colwise",
-        "mlp.down_proj": "rowwise",
-    },
-    qk_norms=("self_attn.q_norm", "self_attn.k_norm"),
-    attention="self_attn",
+def compose(model: nn.Module) -> ModelLayout:
+    """The layout read off the model's declarations; refuses (one line) what it cannot describe."""
+    if getattr(model.config, "output_router_logits", False):
+        raise _refuse(
+            model,
+            "output_router_logits = true adds the router's auxiliary loss outside the logits; "
+            "set it to false in the model config",
+        )
+    embed_key, blocks_key, norm_key = _pp_plan(model)
+    prefix = model.base_model_prefix
+    base = model.get_submodule(prefix)
+    if base.get_submodule(embed_key) is not model.get_input_embeddings():
+        raise _refuse(model, f"{prefix}.{embed_key} is not get_input_embeddings(); register a layout for it")
+    head = _module_name(model, model.get_output_embeddings(), "output embedding")
+    plan = {embed_key, blocks_key, norm_key}
+    extra = [name for name, child in base.named_children() if name not in plan]
+    weighted = [name for name in extra if any(True for _ in base.get_submodule(name).parameters())]
+    if weighted:
+        raise _refuse(
+            model, f"{prefix}.{weighted[0]} holds weights outside embedding/layers/norm; register a layout for it"
+        )
+    rotary = next((f"{prefix}.{n}" for n in extra if "position_ids" in _params(base.get_submodule(n).forward)), None)
+    blocks = list(base.get_submodule(blocks_key).children())
+    types = dict(zip((id(b) for b in blocks), _layer_types(model, len(blocks))))
+    block_kwargs = _params(blocks[0].forward)
+    ctx = BlockContext(model, rotary, types, block_kwargs)
+    attention = next((n for n, m in blocks[0].named_children() if "Attention" in type(m).__name__), "self_attn")
+    tp_plan, tp_refusal = block_tp_plan(model, blocks_key)
+    return dataclasses.replace(
+        HF,
+        specialize=None,
+        dims=_dims,
+        embed=f"{prefix}.{embed_key}",
+        blocks=f"{prefix}.{blocks_key}",
+        norm=f"{prefix}.{norm_key}",
+        head=head,
+        shared=tuple(f"{prefix}.{name}" for name in extra),
+        block_inputs=ctx.inputs,
+        call_block=ctx.call,
+        tp_plan=tp_plan,
+        tp_refusal=tp_refusal,
+        attention=attention,
+        after_embed=after_embed(model.config),
+        after_head=after_head(model.config),
+    )
+
+
+def _unspecialized(*_: Any) -> Any:
+    raise AssertionError("the generic Hugging Face layout is used only through specialize(model)")
+
+
+HF = ModelLayout(
+    name="hf",
+    matches=is_hf_model,
+    dims=_unspecialized,
+    embed="",
+    blocks="",
+    norm="",
+    head="",
+    shared=(),
+    block_inputs=_unspecialized,
+    call_block=_unspecialized,
+    init_buffers=init_buffers,
+    specialize=specialize,
 )

@@ -1,0 +1,244 @@
+"""Hugging Face decoder families through the generic layout: exact against the model's own forward, or refused.
+
+Tiny configs built here (no downloads), fp32. Each case builds the model on CPU with random weights, runs its
+own forward + backward (mean token cross-entropy) and two AdamW steps, and the pipelined build (pp2 x tp2,
+some with dp2 and uneven padding) on the same weights and batch: loss of every step, every full gradient
+(a tied copy against the tied weight's gradient) and every parameter after the steps, relative error <= 1e-5.
+"""
+
+from __future__ import annotations
+
+import parity_utils as pu
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers as T
+
+import pp_tp
+from pp_tp.config import ParallelConfig
+from pp_tp.errors import ConfigError
+from pp_tp.models.reference.model import ModelArgs, Transformer
+from pp_tp.preflight import preflight
+from pp_tp.stages.layouts import layout_for
+from pp_tp.tensor_utils import full_tensor
+
+VOCAB = 64
+BASE = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+SEQ = 16  # longer than every sliding window below
+
+
+def _sliding(**kw) -> dict:
+    return {"sliding_window": 4, **kw}
+
+
+# name -> (config class, extra config keys, attention implementation)
+FAMILIES = {
+    "llama_tied": (T.LlamaConfig, dict(tie_word_embeddings=True), "sdpa"),
+    "llama": (T.LlamaConfig, dict(tie_word_embeddings=False), "sdpa"),
+    "qwen2_tied_bias": (T.Qwen2Config, dict(tie_word_embeddings=True), "sdpa"),
+    "qwen3": (T.Qwen3Config, dict(head_dim=8, tie_word_embeddings=False), "sdpa"),
+    "mistral_sliding": (T.MistralConfig, _sliding(), "sdpa"),
+    "gemma_tied_scaled": (T.GemmaConfig, dict(head_dim=8), "sdpa"),
+    "gemma2_softcap": (T.Gemma2Config, _sliding(head_dim=8), "eager"),
+    "gemma3_alternating": (T.Gemma3TextConfig, _sliding(head_dim=8, sliding_window_pattern=2), "sdpa"),
+    "granite": (
+        T.GraniteConfig,
+        dict(embedding_multiplier=3.0, logits_scaling=4.0, residual_multiplier=0.5, attention_multiplier=0.3),
+        "sdpa",
+    ),
+    "phi3_fused": (T.Phi3Config, dict(), "sdpa"),
+    "olmo2_fullwidth_norm": (T.Olmo2Config, dict(), "sdpa"),
+    "starcoder2": (T.Starcoder2Config, dict(use_bias=True, norm_type="layer_norm"), "sdpa"),
+    "cohere_logit_scale": (T.CohereConfig, dict(logit_scale=0.5), "sdpa"),  # a family no issue named
+    "mixtral_moe": (T.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2), "sdpa"),
+}
+
+
+def make(name: str, device: str = "cpu") -> torch.nn.Module:
+    if name == "reference_tied":  # pp_tp's own Transformer ties the same way
+        args = ModelArgs(
+            vocab_size=VOCAB,
+            dim=32,
+            n_layers=4,
+            n_heads=4,
+            n_kv_heads=2,
+            ffn_dim=64,
+            max_seq_len=64,
+            tie_embeddings=True,
+        )
+        with torch.device(device):
+            return Transformer(args)
+    cls, extra, attn = FAMILIES[name]
+    config = cls(**{**BASE, **extra})
+    with torch.device(device):
+        return T.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+
+
+def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Random weights with non-trivial norms and biases (not the init), shared by both builds."""
+    gen = torch.Generator().manual_seed(0)
+    return {
+        k: torch.randn(v.shape, generator=gen) * 0.1 + (1.0 if "norm" in k and k.endswith("weight") else 0.0)
+        for k, v in model.named_parameters()
+    }  # a tied weight once, under its canonical name
+
+
+def _reference(name: str, state: dict, ids: torch.Tensor, labels: torch.Tensor, steps: int) -> dict:
+    torch.manual_seed(0)
+    model = make(name)
+    model.load_state_dict(state, strict=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, eps=pu.ADAM_EPS)
+    losses, grads = [], {}
+    for _ in range(steps):
+        opt.zero_grad()
+        logits = pu.logits_of(model, ids)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+        loss.backward()
+        losses.append(loss.item())
+        grads = grads or {k: p.grad.clone() for k, p in model.named_parameters()}
+        opt.step()
+    return {"losses": losses, "grads": grads, "params": {k: p.detach().clone() for k, p in model.named_parameters()}}
+
+
+def family_case(name: str, kw: dict, batch: int = 8, steps: int = 2) -> dict:
+    """Per rank: worst relative errors of loss, gradients and updated parameters against the model's own run."""
+    pcfg = pu.pcfg_of(**kw)
+    state = _state(make(name))
+    ids, labels = pu.batch(ModelArgs(vocab_size=VOCAB), batch, SEQ, pad=True)
+    ref = _reference(name, state, ids, labels, steps)
+    mesh = pu.mesh_for(pcfg)
+    pipe = pp_tp.build_pipeline(make(name, "meta"), mesh, pcfg, state_dict=state)
+    dp = mesh["dp_replicate"].get_local_rank() * mesh["dp_shard"].size() + mesh["dp_shard"].get_local_rank()
+    per = batch // pcfg.dp
+    params = [p for part in pipe.model_parts for p in part.parameters()]
+    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, eps=pu.ADAM_EPS)
+    loss_err, grad_err = 0.0, 0.0
+    for i in range(steps):
+        opt.zero_grad()
+        loss = pipe.step(ids[dp * per : (dp + 1) * per], labels[dp * per : (dp + 1) * per]).item()
+        loss_err = max(loss_err, abs(loss - ref["losses"][i]) / abs(ref["losses"][i]))
+        if i == 0:
+            for part in pipe.model_parts:
+                for local, p in part.named_parameters():
+                    want = ref["grads"][part.checkpoint_keys[local]]
+                    grad_err = max(grad_err, pu.rel_err(full_tensor(p.grad), want))
+        opt.step()
+    param_err = max(
+        pu.rel_err(full_tensor(p), ref["params"][part.checkpoint_keys[local]])
+        for part in pipe.model_parts
+        for local, p in part.named_parameters()
+    )
+    return {"loss": loss_err, "grad": grad_err, "param": param_err, "stages": pipe.stage_indices}
+
+
+TP = dict(tp=2, embedding="vocab_parallel")
+# (family, layout) pairs: pp2 x tp2 across 1F1B, an interleaved and a V schedule; some with dp2 and padding.
+CASES4 = [
+    ("llama_tied", dict(pp=2, schedule="1F1B", microbatches=2, **TP)),
+    ("llama_tied", dict(pp=2, schedule="ZBVZeroBubble", microbatches=4, **TP)),  # one rank holds both ends
+    ("llama", dict(pp=2, schedule="Interleaved1F1B", microbatches=2, **TP, loss_parallel=True)),
+    ("qwen2_tied_bias", dict(pp=2, schedule="Interleaved1F1B", microbatches=2, **TP)),
+    ("qwen3", dict(pp=2, schedule="1F1B", microbatches=2, **TP)),
+    ("mistral_sliding", dict(pp=2, schedule="1F1B", microbatches=4, **TP)),
+    ("gemma_tied_scaled", dict(pp=2, schedule="DualPipeV", microbatches=4, **TP)),
+    ("reference_tied", dict(pp=2, schedule="Interleaved1F1B", microbatches=2, **TP)),
+    ("gemma2_softcap", dict(pp=2, schedule="1F1B", microbatches=2, **TP)),
+    ("gemma3_alternating", dict(pp=2, schedule="Interleaved1F1B", microbatches=2, **TP)),
+    ("granite", dict(pp=2, schedule="1F1B", microbatches=2, **TP, loss_parallel=True)),
+    ("phi3_fused", dict(pp=2, schedule="ZBVZeroBubble", microbatches=4, **TP)),
+    ("olmo2_fullwidth_norm", dict(pp=2, schedule="1F1B", microbatches=2, **TP)),
+    ("starcoder2", dict(pp=2, schedule="Interleaved1F1B", microbatches=2, **TP)),
+    ("cohere_logit_scale", dict(pp=2, schedule="1F1B", microbatches=2, **TP)),
+    ("mixtral_moe", dict(pp=2, dp_shard=2, schedule="ZBVZeroBubble", microbatches=4)),  # experts whole per rank
+]
+CASES8 = [
+    ("llama_tied", dict(pp=2, dp_shard=2, schedule="1F1B", microbatches=2, **TP)),
+    ("gemma2_softcap", dict(pp=2, dp_shard=2, schedule="ZBVZeroBubble", microbatches=4, **TP)),
+    ("granite", dict(pp=2, dp_replicate=2, schedule="Interleaved1F1B", microbatches=2, **TP)),
+]
+TOL = 1e-5
+
+
+def _run_all(cases: list[tuple[str, dict]]) -> list[dict]:
+    return [family_case(name, kw) for name, kw in cases]
+
+
+def _assert_exact(results: list[list[dict]], cases: list[tuple[str, dict]]) -> None:
+    for per_rank in results:
+        for (name, kw), r in zip(cases, per_rank):
+            assert r["loss"] <= TOL and r["grad"] <= TOL and r["param"] <= TOL, (name, kw, r)
+
+
+def test_families_match_their_own_forward_at_pp2_tp2(world):
+    _assert_exact(world(4).run(_run_all, CASES4), CASES4)
+
+
+def test_families_match_with_dp2_and_uneven_padding(world):
+    _assert_exact(world(8).run(_run_all, CASES8), CASES8)
+
+
+def test_v_schedule_puts_both_tied_copies_on_rank_0(world):
+    results = world(4).run(family_case, "llama_tied", CASES4[1][1], 8, 1)
+    assert sorted(r["stages"] for r in results) == [[0, 3], [0, 3], [1, 2], [1, 2]]
+
+
+# --- refusals, one line each, before any collective -----------------------------------------------
+
+
+def _preflight(model: torch.nn.Module, **kw) -> None:
+    preflight(model, ParallelConfig(**{"dp_shard": 1, **kw, "stages_per_rank": 1}), "cpu", SEQ)
+
+
+def test_moe_experts_under_tp_are_refused_in_one_line():
+    with pytest.raises(ConfigError, match=r"MixtralForCausalLM: .*'packed_colwise'.*set parallel.tp = 1") as e:
+        _preflight(make("mixtral_moe", "meta"), pp=2, tp=2, embedding="vocab_parallel")
+    assert "\n" not in str(e.value)
+
+
+def test_tied_with_tp_needs_the_vocab_parallel_embedding():
+    with pytest.raises(ConfigError, match='set parallel.embedding = "vocab_parallel"'):
+        _preflight(make("llama_tied", "meta"), pp=2, tp=2)
+
+
+class _DoubledLogits(T.LlamaForCausalLM):
+    """A family whose top-level forward does something the layout does not know (scales the logits)."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits * 2
+        return out
+
+
+def test_unknown_top_level_op_is_refused_by_the_self_check():
+    config = T.LlamaConfig(**BASE)
+    with torch.device("meta"):
+        model = _DoubledLogits(config)
+    with pytest.raises(ConfigError, match=r"model _DoubledLogits: its own forward differs .* pp_tp refuses it") as e:
+        layout_for(model)
+    assert "\n" not in str(e.value)
+
+
+def test_family_without_a_pp_plan_is_refused():
+    with torch.device("meta"):
+        model = T.AutoModelForCausalLM.from_config(T.StableLmConfig(**BASE))
+    with pytest.raises(ConfigError, match="StableLmForCausalLM: declares no base_model_pp_plan"):
+        layout_for(model)
+
+
+def test_router_aux_loss_is_refused():
+    cls, extra, _ = FAMILIES["mixtral_moe"]
+    with torch.device("meta"):
+        model = T.AutoModelForCausalLM.from_config(cls(**{**BASE, **extra, "output_router_logits": True}))
+    with pytest.raises(ConfigError, match="output_router_logits"):
+        layout_for(model)
