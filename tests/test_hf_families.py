@@ -65,7 +65,7 @@ FAMILIES = {
 }
 
 
-def make(name: str, device: str = "cpu") -> torch.nn.Module:
+def make(name: str, device: str = "cpu", layers: int = 4) -> torch.nn.Module:
     if name == "reference_tied":  # pp_tp's own Transformer ties the same way
         args = ModelArgs(
             vocab_size=VOCAB,
@@ -80,7 +80,7 @@ def make(name: str, device: str = "cpu") -> torch.nn.Module:
         with torch.device(device):
             return Transformer(args)
     cls, extra, attn = FAMILIES[name]
-    config = cls(**{**BASE, **extra})
+    config = cls(**{**BASE, **extra, "num_hidden_layers": layers})
     with torch.device(device):
         return T.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
 
@@ -191,6 +191,53 @@ def test_families_match_with_dp2_and_uneven_padding(world):
 def test_v_schedule_puts_both_tied_copies_on_rank_0(world):
     results = world(4).run(family_case, "llama_tied", CASES4[1][1], 8, 1)
     assert sorted(r["stages"] for r in results) == [[0, 3], [0, 3], [1, 2], [1, 2]]
+
+
+# --- TP collectives per block ----------------------------------------------------------------------
+
+
+def _per_block_collectives(name: str) -> dict[tuple[str, str], float]:
+    """TP collectives of one block and one microbatch, forward and backward: a 4-layer minus a 2-layer build."""
+    from collections import Counter
+
+    from test_tensor_parallel import _CollectiveLog
+
+    pcfg = pu.pcfg_of(tp=2, microbatches=1, **{k: v for k, v in TP.items() if k != "tp"})
+    counts = []
+    for layers in (2, 4):
+        pipe = pp_tp.build_pipeline(make(name, "meta", layers), pu.mesh_for(pcfg), pcfg)
+        with _CollectiveLog() as log:
+            pipe.step(*pu.batch(ModelArgs(vocab_size=VOCAB), 2, SEQ))
+        per_op: Counter = Counter()
+        for (phase, op, _), n in log.calls.items():
+            per_op[(phase, op)] += n
+        counts.append(per_op)
+    counts[1].subtract(counts[0])
+    return {k: n / 2 for k, n in counts[1].items() if n}
+
+
+def _count_families() -> list[dict]:
+    return [_per_block_collectives(name) for name in ("llama", "phi3_fused", "olmo2_fullwidth_norm")]
+
+
+def test_tp_collectives_per_block_at_tp2(world):
+    """Megatron's minimum for a plain family; fused projections and full-width q/k norms keep HF's own exact
+    plan, which gathers the fused (or normed) projection output and splits it again before the row-parallel layer."""
+    minimum = {("fwd", "all_reduce"): 2, ("bwd", "all_reduce"): 2}
+    gathered = {
+        ("fwd", "all_reduce"): 2,
+        ("bwd", "all_reduce"): 2,
+        ("fwd", "all_gather_into_tensor"): 2,
+        ("bwd", "all_gather_into_tensor"): 2,
+    }
+    olmo2 = {
+        ("fwd", "all_reduce"): 2,
+        ("bwd", "all_reduce"): 2,
+        ("fwd", "all_gather_into_tensor"): 3,
+        ("bwd", "all_gather_into_tensor"): 1,
+    }
+    for llama, phi3, olmo in world(2).run(_count_families):
+        assert (llama, phi3, olmo) == (minimum, gathered, olmo2)
 
 
 # --- refusals, one line each, before any collective -----------------------------------------------
