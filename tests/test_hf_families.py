@@ -289,3 +289,21 @@ def test_router_aux_loss_is_refused():
         model = T.AutoModelForCausalLM.from_config(cls(**{**BASE, **extra, "output_router_logits": True}))
     with pytest.raises(ConfigError, match="output_router_logits"):
         layout_for(model)
+
+
+def test_hf_path_takes_the_shape_from_config_json_and_refuses_contradictions(tmp_path):
+    from pp_tp.config import load_config
+    from pp_tp.job import check_job
+
+    make("mistral_sliding").config.save_pretrained(tmp_path)
+    job = tmp_path / "job.toml"
+    job.write_text(
+        f'[model]\nhf_path = "{tmp_path}"\n[parallel]\npp = 2\ntp = 2\nembedding = "vocab_parallel"\n'
+        "microbatches = 2\n[training]\nbatch_size = 4\nseq_len = 16\n"
+    )
+    cfg, checked = check_job(load_config(str(job), world_size=4), 4, data=False)
+    assert (cfg.model.dim, cfg.model.n_layers, cfg.model.vocab_size) == (32, 4, VOCAB)
+    assert checked.layout.name == "hf" and checked.layout.blocks == "model.layers"
+    with pytest.raises(ConfigError, match=r"model.n_layers = 6 contradicts .*config.json \(4\)") as e:
+        check_job(load_config(str(job), ["model.n_layers=6"], world_size=4), 4, data=False)
+    assert "\n" not in str(e.value)
