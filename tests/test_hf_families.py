@@ -62,6 +62,11 @@ FAMILIES = {
     "starcoder2": (T.Starcoder2Config, dict(use_bias=True, norm_type="layer_norm"), "sdpa"),
     "cohere_logit_scale": (T.CohereConfig, dict(logit_scale=0.5), "sdpa"),  # a family no issue named
     "mixtral_moe": (T.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2), "sdpa"),
+    # families no issue named
+    "smollm3_nope_layers": (T.SmolLM3Config, dict(tie_word_embeddings=True), "sdpa"),
+    "cohere2_sliding": (T.Cohere2Config, _sliding(), "sdpa"),
+    "qwen2_window_layers": (T.Qwen2Config, _sliding(use_sliding_window=True, max_window_layers=2), "sdpa"),
+    "qwen3_moe": (T.Qwen3MoeConfig, dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16), "sdpa"),
 }
 
 
@@ -161,6 +166,10 @@ CASES4 = [
     ("starcoder2", dict(pp=2, schedule="Interleaved1F1B", microbatches=2, **TP)),
     ("cohere_logit_scale", dict(pp=2, schedule="1F1B", microbatches=2, **TP)),
     ("mixtral_moe", dict(pp=2, dp_shard=2, schedule="ZBVZeroBubble", microbatches=4)),  # experts whole per rank
+    ("smollm3_nope_layers", dict(pp=2, schedule="1F1B", microbatches=2, **TP)),
+    ("cohere2_sliding", dict(pp=2, schedule="Interleaved1F1B", microbatches=2, **TP)),
+    ("qwen2_window_layers", dict(pp=2, schedule="1F1B", microbatches=2, **TP)),
+    ("qwen3_moe", dict(pp=2, dp_shard=2, schedule="1F1B", microbatches=2)),
 ]
 CASES8 = [
     ("llama_tied", dict(pp=2, dp_shard=2, schedule="1F1B", microbatches=2, **TP)),

@@ -43,6 +43,7 @@ def small_config(config):
         "moe_intermediate_size": 32,
         "num_local_experts": min(getattr(config, "num_local_experts", 4) or 4, 4),
         "num_experts": min(getattr(config, "num_experts", 4) or 4, 4),
+        "num_experts_per_tok": min(getattr(config, "num_experts_per_tok", 2) or 2, 2),
     }
     for key, value in sizes.items():
         if hasattr(small, key) and getattr(small, key) is not None:
