@@ -140,7 +140,7 @@ def family_case(name: str, kw: dict, batch: int = 8, steps: int = 2) -> dict:
                     grad_err = max(grad_err, pu.rel_err(full_tensor(p.grad), want))
         opt.step()
     param_err = max(
-        pu.rel_err(full_tensor(p), ref["params"][part.checkpoint_keys[local]])
+        pu.rel_err(full_tensor(p).detach(), ref["params"][part.checkpoint_keys[local]])
         for part in pipe.model_parts
         for local, p in part.named_parameters()
     )
