@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from pp_tp.config import JobConfig
 from pp_tp.errors import ConfigError
+from pp_tp.text_tokens import train_windows
 
 VOCAB = 256  # byte-level tokens
 
@@ -161,9 +162,7 @@ def make_source(cfg: JobConfig) -> Source:
     if cfg.data.tokenizer or (cfg.validation.every and cfg.validation.split):
         if cfg.data.source != "text":
             raise ConfigError(f'data.tokenizer encodes text: set data.source = "text" (it is {cfg.data.source!r})')
-        from pp_tp.text_tokens import train_windows  # tokenizer.json, or a held-out tail of the text
-
-        return train_windows(cfg)
+        return train_windows(cfg)  # tokenizer.json, or a held-out tail of the text
     if cfg.data.source == "text":
         return TextSource(cfg.data.path, cfg.training.seq_len)
     return SyntheticSource(cfg.training.seed, cfg.training.seq_len)

@@ -11,16 +11,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from pp_tp.config import JobConfig
 from pp_tp.hf_checkpoint import has_weights
 from pp_tp.mesh import MESH_DIMS
+from pp_tp.planner import plan_job
+from pp_tp.planner.dry_run import JobPlan
 from pp_tp.schedules.pipeline import Pipeline
 
 
-def dry_run(cfg: JobConfig):  # -> pp_tp.planner.JobPlan | None
+def dry_run(cfg: JobConfig) -> JobPlan | None:
     """The planner's dry run, on the rank that will be rank 0, before the process group exists (the dry run
     needs a process of its own); None on other ranks, or once a process group is up (tests)."""
     if dist.is_initialized() or os.environ.get("RANK", "0") != "0":
         return None
-    from pp_tp.planner import plan_job
-
     p = cfg.parallel
     return plan_job(cfg, p.pp * p.tp * p.dp_replicate * p.dp_shard)
 

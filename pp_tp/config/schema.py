@@ -4,11 +4,37 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pp_tp.models.reference.model import ModelArgs
+
+@dataclass
+class ModelShape:
+    """The reference Transformer's shape keys of `[model]` (pp_tp.models.reference.ModelArgs is exactly these)."""
+
+    vocab_size: int = 256
+    dim: int = 64
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None
+    ffn_dim: int = 176
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    qk_norm: bool = False
+    attn_bias: bool = False
+    tie_embeddings: bool = False
+
+    @property
+    def kv_heads(self) -> int:
+        """KV heads: n_kv_heads, or n_heads when unset."""
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        """The per-head width, dim // n_heads."""
+        return self.dim // self.n_heads
 
 
 @dataclass
-class ModelConfig(ModelArgs):
+class ModelConfig(ModelShape):
     """`[model]`: the reference Transformer's shape; `kind = "hf_llama"` builds a HF LlamaForCausalLM of it;
     `hf_path = "DIR"` builds any Hugging Face decoder LM from DIR/config.json (its shape keys then come
     from config.json, and any given beside it must agree)."""

@@ -16,14 +16,18 @@ What differs from torchtitan's own `pipeline_llm`:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import importlib
 from typing import Any
 
 from torch import nn
 
+from pp_tp.build import build_pipeline
 from pp_tp.config import ParallelConfig, resolve_parallel
 from pp_tp.errors import ConfigError
 from pp_tp.integrations.torchtitan_parts import PipelineSchedule, init_part, init_rules
+from pp_tp.mesh import build_mesh
 
 
 def _ac_mode(ac_config: Any) -> str:
@@ -104,10 +108,8 @@ def pipelining_fn(
     (torchtitan's distributions from (seed, FQN)) and, for masked attention, the model's
     `get_attention_masks`.
     """
-    import pp_tp
-
     pcfg = parallel_config(parallelism, training, ac_config, compile_config)
-    pipe = pp_tp.build_pipeline(model, pp_tp.build_mesh(pcfg), pcfg, seed=seed, seq_len=training.seq_len)
+    pipe = build_pipeline(model, build_mesh(pcfg), pcfg, seed=seed, seq_len=training.seq_len)
     rules, n_layers = init_rules(model), len(model.layers) if hasattr(model, "layers") else 0
     for part in pipe.model_parts:
         part.init_weights = functools.partial(init_part, part, seed, rules, n_layers)
@@ -122,8 +124,5 @@ def model_spec(name: str, flavor: str, seed: int = 0, **registry_kwargs: Any) ->
 
     `registry_kwargs` go to torchtitan's `model_registry` (e.g. `attn_backend="flex"`).
     """
-    import dataclasses
-    import importlib
-
     spec = importlib.import_module(f"torchtitan.models.{name}").model_registry(flavor, **registry_kwargs)
     return dataclasses.replace(spec, pipelining_fn=functools.partial(pipelining_fn, seed=seed))

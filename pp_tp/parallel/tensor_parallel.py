@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from fnmatch import fnmatch
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -33,7 +33,9 @@ from torch.distributed.tensor.parallel import (
 from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
 from pp_tp.stages.layouts import ModelLayout
-from pp_tp.stages.stage_module import StageModule
+
+if TYPE_CHECKING:  # annotations only: parallel/ is applied to stage modules, it does not build them
+    from pp_tp.stages.stage_module import StageModule
 
 
 class ReplicateInput(ParallelStyle):

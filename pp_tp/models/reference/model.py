@@ -13,31 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pp_tp.config.schema import ModelShape
 from pp_tp.seeded_init import default_init_std, init_weights
 
 
 @dataclass
-class ModelArgs:
-    vocab_size: int = 256
-    dim: int = 64
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int | None = None
-    ffn_dim: int = 176
-    max_seq_len: int = 256
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    qk_norm: bool = False
-    attn_bias: bool = False
-    tie_embeddings: bool = False
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+class ModelArgs(ModelShape):
+    """The reference Transformer's arguments: exactly the `[model]` shape keys, defined once in the config."""
 
 
 def rope_cache(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
