@@ -27,16 +27,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from pp_tp._torch import copy_forward_hooks
 from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
-
-_HOOK_DICTS = (
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-)
 
 
 def check_float8(pcfg: ParallelConfig, device_type: str) -> None:
@@ -78,8 +71,7 @@ def float8_fqns(stage: nn.Module) -> list[str]:
 def _swap(stage: nn.Module, fqn: str, new: nn.Module) -> None:
     parent_fqn, _, name = fqn.rpartition(".")
     old = stage.get_submodule(fqn)
-    for hooks in _HOOK_DICTS:
-        getattr(new, hooks).update(getattr(old, hooks))
+    copy_forward_hooks(old, new)
     setattr(stage.get_submodule(parent_fqn) if parent_fqn else stage, name, new)
 
 
