@@ -22,7 +22,7 @@ def comm_bytes(rank: RankMemory, walk: Walk) -> int:
     )
 
 
-def _options(pcfg: ParallelConfig, reshard: str | int, reduce: str | int) -> list[tuple[str | int, str | int]]:
+def options(pcfg: ParallelConfig, reshard: str | int, reduce: str | int) -> list[tuple[str | int, str | int]]:
     """The (reshard, grad_reduce) pairs "auto" may pick from, a fixed value staying fixed."""
     split = not is_csv_schedule(pcfg.schedule) and get_schedule_spec(pcfg.schedule).splits_weight_grad
     reshards = [reshard] if reshard != "auto" else ["default"] + ([] if split else ["always"])
@@ -45,7 +45,7 @@ def choose(rank: RankMemory, actions: list, pcfg: ParallelConfig) -> tuple[str |
     reduce = per_rank(pcfg.fsdp_grad_reduce, pcfg.pp)[rank.pp_rank]
     static = rank.param_bytes + rank.grad_bytes + rank.optim_bytes
     scored = []
-    for r, g in _options(pcfg, reshard, reduce):
+    for r, g in options(pcfg, reshard, reduce):
         trial = dataclasses.replace(pcfg, fsdp_reshard_after_forward=r, fsdp_grad_reduce=g)
         walk = _walk(rank, actions, trial)
         scored.append((static + walk.peak, comm_bytes(rank, walk), (r, g), walk))

@@ -17,11 +17,14 @@ from dataclasses import dataclass
 
 from pp_tp.config import JobConfig
 from pp_tp.errors import ConfigError
+from pp_tp.models.factory import build_model
 from pp_tp.planner.auto import GIB, comm_bytes
-from pp_tp.planner.dry_run import JobPlan, plan_job
+from pp_tp.planner.layout_eval import LayoutEvaluator, LayoutPlan
+from pp_tp.stages.layouts import layout_for
 
 DEVICES = {"H100": (989e12, 450e9, 50e9), "H200": (989e12, 450e9, 50e9)}  # bf16 dense FLOP/s, NVLink, IB B/s
 NODE = 8
+TPS, PPS = (1, 2, 4, 8), (1, 2, 4, 8, 16, 32)
 PARALLEL_KEYS = ("pp", "tp", "dp_replicate", "dp_shard", "schedule", "stages_per_rank", "microbatches")
 POLICY_KEYS = ("fsdp_reshard_after_forward", "fsdp_grad_reduce", "activation_checkpoint")
 
@@ -41,40 +44,44 @@ class Candidate:
     bubble: float
 
 
-def step_time(job: JobPlan, dev: Device) -> tuple[float, float]:
-    """(seconds, bubble) of the planned job under the cost model in the module docstring."""
-    p, t = job.cfg.parallel, job.cfg.training
-    d = job.cfg.model.dim
-    tokens = job.microbatch * t.seq_len
+def step_time(cfg: JobConfig, lay: LayoutPlan, dev: Device) -> float:
+    """Seconds per step of the evaluated layout under the cost model in the module docstring."""
+    p, t = lay.pcfg, cfg.training
+    d = cfg.model.dim
+    tokens = lay.microbatch * t.seq_len
     recompute = {"full": 4 / 3, "selective": 1.1}.get(p.activation_checkpoint, 1.0)
-    est = job.schedules[0]
     worst = 0.0
-    for r, walk in zip(job.ranks, est.walks):
-        stages = job.plan.for_rank(r.pp_rank)
-        flops = sum(s.cost for s in stages) * tokens * p.microbatches * recompute / p.tp
-        compute = flops / dev.peak_flops
+    for r, walk in zip(lay.ranks, lay.walks):
+        stages = lay.plan.for_rank(r.pp_rank)
+        compute = sum(s.cost for s in stages) * tokens * p.microbatches * recompute / p.tp / dev.peak_flops
         blocks = sum(len(s.blocks) for s in stages)
         ar = 2 * (p.tp - 1) / p.tp * tokens * d * 2 / dev.nvlink_bw if p.tp > 1 else 0.0
         tp_time = 4 * blocks * p.microbatches * ar
         bw = dev.nvlink_bw if p.tp * p.dp_shard <= NODE else dev.ib_bw
         fsdp = comm_bytes(r, walk) * (p.dp_shard - 1) / max(p.dp_shard, 1) / bw
-        worst = max(worst, (compute + tp_time) * (1 + est.bubble_simulated) + max(0.0, fsdp - compute))
-    return worst, est.bubble_simulated
+        worst = max(worst, (compute + tp_time) * (1 + lay.bubble) + max(0.0, fsdp - compute))
+    return worst
+
+
+def _schedules(pp: int, layers: int) -> list[tuple[str, int]]:
+    """(schedule, stages per rank) pairs the search tries at `pp`."""
+    if pp == 1:
+        return [("1F1B", 1)]
+    pairs = [("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("Interleaved1F1B", 4)]
+    pairs += [("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2)]
+    return [(s, v) for s, v in pairs if pp * v <= layers]
 
 
 def _layouts(cfg: JobConfig, world: int):
-    layers = cfg.model.n_layers
-    for tp, pp in itertools.product((1, 2, 4, 8), (1, 2, 4, 8, 16, 32)):
-        if world % (tp * pp) or cfg.model.n_heads % tp or (cfg.model.n_kv_heads or cfg.model.n_heads) % tp:
+    """Every layout the search evaluates: degrees, schedule, stages per rank, microbatches, AC."""
+    heads, kv = cfg.model.n_heads, cfg.model.n_kv_heads or cfg.model.n_heads
+    for tp, pp in itertools.product(TPS, PPS):
+        if world % (tp * pp) or heads % tp or kv % tp or pp > cfg.model.n_layers:
             continue
         dp = world // (tp * pp)
         for rep in sorted({1, dp // NODE} - {0}) if dp > NODE else (1,):
-            for sched, spr in (("1F1B", 1), ("Interleaved1F1B", 2)) if pp > 1 else (("1F1B", 1),):
-                if pp * spr > layers:
-                    continue
-                for m in sorted({pp, 2 * pp, 4 * pp}):
-                    if cfg.training.batch_size % (dp * m):
-                        continue
+            for (sched, spr), m in itertools.product(_schedules(pp, cfg.model.n_layers), sorted({pp, 2 * pp, 4 * pp})):
+                if cfg.training.batch_size % (dp * m) == 0:
                     for ac in ("none", "selective", "full"):
                         yield dict(
                             pp=pp, tp=tp, dp_replicate=rep, dp_shard=dp // rep, schedule=sched,
@@ -84,19 +91,22 @@ def _layouts(cfg: JobConfig, world: int):
 
 def search(cfg: JobConfig, world: int, budget_gib: float, dev: Device, top: int) -> list[Candidate]:
     """The `top` fitting layouts, fastest first; FSDP policies are "auto" under the budget for each."""
+    model = build_model(cfg.model, "meta")
+    evaluator = LayoutEvaluator(cfg, world, model, layout_for(model))
     found = []
     for kw in _layouts(cfg, world):
         pcfg = dataclasses.replace(
             cfg.parallel, **kw, fsdp_reshard_after_forward="auto", fsdp_grad_reduce="auto",
             memory_budget_gib=budget_gib, split="balanced", layers_per_stage=None, stage_fqns=None,
+            compile=False, float8=False,
         )  # fmt: skip
         try:
-            job = plan_job(dataclasses.replace(cfg, parallel=pcfg), world)
+            lay = evaluator.evaluate(pcfg)
         except ConfigError:
-            continue  # does not fit (or not a valid layout for this model)
-        seconds, bubble = step_time(job, dev)
-        keys = {k: getattr(job.policies, k) for k in PARALLEL_KEYS + POLICY_KEYS}
-        found.append(Candidate(keys, job.peak_bytes / GIB, seconds, bubble))
+            continue  # not a valid layout for this model and batch
+        if lay is not None:
+            keys = {k: getattr(lay.pcfg, k) for k in PARALLEL_KEYS + POLICY_KEYS}
+            found.append(Candidate(keys, lay.peak_bytes / GIB, step_time(cfg, lay, dev), lay.bubble))
     return sorted(found, key=lambda c: c.step_time_s)[:top]
 
 

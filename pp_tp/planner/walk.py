@@ -50,18 +50,30 @@ class Walk:
     reduce_scatters: dict[int, int] = field(default_factory=dict)
 
 
+class _Flags(dict):
+    """Per-stage flags that keep the sum of the flagged stages' weights (a walk notes it at every action)."""
+
+    def __init__(self, weights: dict[int, int]):
+        super().__init__((s, False) for s in weights)
+        self.weights, self.total = weights, 0
+
+    def __setitem__(self, s: int, on: bool) -> None:
+        if on != self[s]:
+            self.total += self.weights[s] if on else -self.weights[s]
+        super().__setitem__(s, on)
+
+
 class _Rank:
     def __init__(self, sizes: dict[int, StageBytes], policy: dict[int, StagePolicy], microbatches: int):
         self.sizes, self.policy, self.m = sizes, policy, microbatches
         self.acts = 0
-        self.gathered = {s: False for s in sizes}
-        self.grads_held = {s: False for s in sizes}
+        self.gathered = _Flags({s: z.gathered for s, z in sizes.items()})
+        self.grads_held = _Flags({s: z.grads for s, z in sizes.items()})
         self.backwards = {s: 0 for s in sizes}
         self.out = Walk(all_gathers={s: 0 for s in sizes}, reduce_scatters={s: 0 for s in sizes})
 
     def _held(self) -> tuple[int, int]:
-        gathered = sum(self.sizes[s].gathered for s, g in self.gathered.items() if g)
-        return gathered, sum(self.sizes[s].grads for s, g in self.grads_held.items() if g)
+        return self.gathered.total, self.grads_held.total
 
     def _note(self, extra_gathered: int = 0, extra_grads: int = 0) -> None:
         gathered, grads = self._held()

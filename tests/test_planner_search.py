@@ -1,0 +1,82 @@
+"""`pp-tp plan --search`: the cached layout evaluation equals the full dry run, and the search's output."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from pp_tp.cli import main
+from pp_tp.config import config_from_dict
+from pp_tp.models.factory import build_model
+from pp_tp.planner import plan_job
+from pp_tp.planner.layout_eval import LayoutEvaluator
+from pp_tp.planner.search import _layouts
+from pp_tp.stages.layouts import layout_for
+
+JOB = {
+    "model": {"vocab_size": 256, "dim": 64, "n_layers": 8, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 96},
+    "parallel": {"pp": 2, "tp": 2, "dp_shard": -1, "schedule": "1F1B", "microbatches": 4, "mixed_precision": "bf16"},
+    "training": {"batch_size": 48, "seq_len": 32},
+}
+WORLD = 12  # dp 3 at pp2 x tp2: FSDP shards that do not divide evenly (padding)
+
+LAYOUTS = [
+    dict(pp=2, tp=2, dp_shard=3, schedule="1F1B", stages_per_rank=1, microbatches=4, activation_checkpoint="none"),
+    dict(pp=2, tp=1, dp_shard=6, schedule="GPipe", stages_per_rank=1, microbatches=8, activation_checkpoint="full"),
+    dict(pp=4, tp=1, dp_shard=3, schedule="Interleaved1F1B", stages_per_rank=2, microbatches=4,
+         activation_checkpoint="selective"),
+    dict(pp=2, tp=2, dp_shard=3, schedule="ZBVZeroBubble", stages_per_rank=2, microbatches=4,
+         activation_checkpoint="full"),
+]  # fmt: skip
+
+
+def _auto(cfg, kw: dict, budget_gib: float):
+    return dataclasses.replace(
+        cfg.parallel, **kw, split="balanced", fsdp_reshard_after_forward="auto", fsdp_grad_reduce="auto",
+        memory_budget_gib=budget_gib,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("kw", LAYOUTS, ids=[f"{k['schedule']}-pp{k['pp']}" for k in LAYOUTS])
+def test_cached_evaluation_equals_the_full_dry_run(kw):
+    """Generous budget (torch's policies), then 3 % under that peak (auto moves the peak rank off them)."""
+    cfg = config_from_dict(JOB, world_size=WORLD)
+    model = build_model(cfg.model, "meta")
+    evaluator = LayoutEvaluator(cfg, WORLD, model, layout_for(model))
+    budget = 1.0
+    for _ in range(2):
+        pcfg = _auto(cfg, kw, budget)
+        lay = evaluator.evaluate(pcfg)
+        job = plan_job(dataclasses.replace(cfg, parallel=pcfg), WORLD)
+        assert lay.pcfg.fsdp_grad_reduce == job.policies.fsdp_grad_reduce
+        assert lay.pcfg.fsdp_reshard_after_forward == job.policies.fsdp_reshard_after_forward
+        assert [r.total_bytes for r in lay.ranks] == [r.total_bytes for r in job.ranks]
+        assert [r.local_params for r in lay.ranks] == [r.local_params for r in job.ranks]
+        assert lay.bubble == job.schedules[0].bubble_simulated
+        budget = 0.97 * lay.peak_bytes / 2**30
+    assert (lay.pcfg.fsdp_reshard_after_forward, lay.pcfg.fsdp_grad_reduce) != ("default", "step")
+
+
+def test_search_covers_the_schedules_policies_and_ac():
+    cfg = config_from_dict(JOB, world_size=WORLD)
+    seen = {(kw["schedule"], kw["stages_per_rank"]) for kw in _layouts(cfg, WORLD)}
+    assert {("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2)} <= seen
+    assert {kw["activation_checkpoint"] for kw in _layouts(cfg, WORLD)} == {"none", "selective", "full"}
+
+
+def test_search_json_lists_fitting_layouts_fastest_first(tmp_path, capsys):
+    path = tmp_path / "job.toml"
+    from pp_tp.config import format_config
+
+    path.write_text(format_config(config_from_dict(JOB, world_size=WORLD)))
+    argv = ["plan", "--config", str(path), "--world-size", str(WORLD), "--search", "--json", "--top", "50"]
+    assert main([*argv, "--memory-gib", "0.003"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    cands = out["candidates"]
+    assert len(cands) > 5 and out["peak_gib"] > 0
+    assert [c["step_time_s"] for c in cands] == sorted(c["step_time_s"] for c in cands)
+    assert all(c["peak_gib"] <= 0.003 for c in cands)
+    keys = {"pp", "tp", "dp_shard", "schedule", "microbatches", "fsdp_reshard_after_forward", "fsdp_grad_reduce"}
+    assert keys <= set(cands[0]["parallel"])
