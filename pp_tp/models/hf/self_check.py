@@ -1,7 +1,8 @@
 """The structural guarantee that a Hugging Face model is never trained silently wrong.
 
 Before anything is built, the generic layout's composed forward (embedding -> blocks as the layout calls
-them -> norm -> head, with the model-level extras) runs against the model's own `forward` on a small copy
+them -> norm -> head, with the model-level extras; built on meta and materialized as a pipelined rank does,
+so restored buffers are checked too) runs against the model's own `forward` on a small copy
 of its config: 2+ layers covering every attention type, tiny widths, a sequence longer than any sliding
 window, CPU, fp32, fixed seed. A family whose forward does anything the layout does not know is refused
 in one line naming its class. The verdict is cached per (class, small config), so it costs seconds once.
@@ -58,10 +59,24 @@ def small_config(config):
     return small
 
 
-def _whole_stage(model: nn.Module, layout: ModelLayout) -> StageModule:
-    keys = layout.block_keys(model)
+def _materialized_stage(
+    cls: type, small, reference: nn.Module, compose: Callable[[nn.Module], ModelLayout]
+) -> StageModule:
+    """The whole small model as one stage, built the way pipelined ranks build theirs: on meta, materialized
+    with `to_empty`, buffers restored by the layout, parameters copied from `reference` under canonical keys."""
+    with torch.device("meta"):
+        meta = cls(small)
+    layout = compose(meta)
+    keys = layout.block_keys(meta)
     fqns = [layout.embed] + [f"{layout.blocks}.{k}" for k in keys] + [layout.norm, layout.head]
-    return StageModule(model, layout, StageSpec(0, 0, True, keys, True, fqns))
+    stage = StageModule(meta, layout, StageSpec(0, 0, True, keys, True, fqns))
+    stage.to_empty(device="cpu")
+    layout.init_buffers(stage, meta)
+    values = dict(reference.named_parameters())
+    with torch.no_grad():
+        for name, p in stage.named_parameters():
+            p.copy_(values[stage.checkpoint_keys[name]])
+    return stage.to(torch.float32).eval()
 
 
 _VERDICTS: dict[tuple[type, str], str | None] = {}
@@ -72,7 +87,7 @@ def _verdict(cls: type, small, compose: Callable[[nn.Module], ModelLayout]) -> s
     torch.manual_seed(0)
     try:
         model = cls(small).to(torch.float32).eval()
-        stage = _whole_stage(model, compose(model))
+        stage = _materialized_stage(cls, small, model, compose)
         ids = torch.randint(0, small.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             want = model(input_ids=ids).logits
