@@ -15,6 +15,7 @@ from pp_tp import export, launch, parity, trainer
 from pp_tp.config import format_config, load_config
 from pp_tp.errors import ConfigError
 from pp_tp.job import add_job_args, check_job, load_job
+from pp_tp.planner import resolve_auto
 from pp_tp.planner.cli import add_plan_args, run_plan
 
 EXIT_BAD_INPUT = 2
@@ -62,7 +63,8 @@ def run_ranks(args: argparse.Namespace, module: str, per_rank_main: Callable[[li
     bad config never starts a process group; under torchrun each rank checks it itself.
     """
     if args.nproc:
-        check_job(load_config(args.config, args.overrides, args.nproc), args.nproc, data)
+        cfg, _ = check_job(load_config(args.config, args.overrides, args.nproc), args.nproc, data)
+        resolve_auto(cfg, args.nproc)  # "auto" that no policy fits fails here, before anything spawns
         return launch.run_under_torchrun(args.nproc, module, _without_nproc(args.argv[1:]))
     if "RANK" not in os.environ:
         raise ConfigError(f"pp-tp {args.command}: not under torchrun; pass --nproc N to spawn N local ranks")

@@ -31,6 +31,7 @@ from pp_tp.metrics import MetricsLogger, peak_flops
 from pp_tp.models.factory import build_model
 from pp_tp.nonfinite import NonFiniteError, NonFiniteGuard, describe, is_finite
 from pp_tp.parallel.grads import clip_grad_norm_
+from pp_tp.planner import resolve_auto
 from pp_tp.stages import cost
 from pp_tp.stages.layouts import layout_for
 from pp_tp.validation import Validator
@@ -126,6 +127,7 @@ def train(cfg: JobConfig, before_step: Callable[[int], None] | None = None) -> l
     t = cfg.training
     source = make_source(cfg)
     validator = Validator(cfg)  # held-out text checked here, before any collective
+    cfg, auto_line = resolve_auto(cfg)  # "auto" FSDP policies: the planner picks them before the process group
     plan = run_report.dry_run(cfg)
     init_distributed(t.comm_timeout_s)
     torch.manual_seed(t.seed)
@@ -143,7 +145,7 @@ def train(cfg: JobConfig, before_step: Callable[[int], None] | None = None) -> l
     metrics = _metrics(cfg, dims, mesh)
     text, layout_row = run_report.layout(cfg, mesh, pipe, plan)
     if dist.get_rank() == 0:
-        print(f"{weights_line}\n{text}", flush=True)
+        print("\n".join(x for x in (auto_line, weights_line, text) if x), flush=True)
         metrics.record({**layout_row, "weights": weights_line})
     guard = NonFiniteGuard(pipe.model_parts, pipe.pcfg.num_stages, pipe.device)
     watch = PeerWatch()

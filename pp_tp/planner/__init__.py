@@ -24,5 +24,6 @@ from pp_tp.planner.activations import SavedActivations
 from pp_tp.planner.dry_run import plan_job
 from pp_tp.planner.memory import peak_held_bytes, tp_local_numel
 from pp_tp.planner.report import format_plan
+from pp_tp.planner.resolve import resolve_auto
 
-__all__ = ["SavedActivations", "format_plan", "peak_held_bytes", "plan_job", "tp_local_numel"]
+__all__ = ["SavedActivations", "format_plan", "peak_held_bytes", "plan_job", "resolve_auto", "tp_local_numel"]
