@@ -20,7 +20,7 @@ SHIPPED = {
     "hf_tiny_cpu": (4, 0.0008695, [2, 2]),
     "llama3_8b": (8, 8.03, [16, 16]),
     "llama3_70b": (32, 70.55, [10] * 8),
-    "llama3_405b": (128, 405.85, [7] + [8] * 14 + [7]),
+    "llama3_405b": (1024, 405.85, [7] + [8] * 14 + [7]),
 }
 
 
@@ -49,3 +49,15 @@ def test_a_shipped_config_refuses_the_wrong_world_size():
 
     with pytest.raises(ConfigError, match="parallel.dp_shard = 2"):
         load_config(os.path.join(REPO, "toml_configs", "llama3_8b.toml"), world_size=16)
+
+
+@pytest.mark.parametrize("name", ["llama3_8b", "llama3_70b", "llama3_405b"])
+def test_multi_node_configs_fit_80_gb_per_the_planner(name):
+    """The planner's largest per-rank peak at the config's own world size, "auto" policies resolved."""
+    from pp_tp.planner import plan_job
+
+    world = SHIPPED[name][0]
+    job = plan_job(load_config(os.path.join(REPO, "toml_configs", f"{name}.toml"), world_size=world), world)
+    budget = job.cfg.parallel.memory_budget_gib or 76
+    assert job.peak_bytes / 2**30 <= budget <= 80
+    assert "auto" not in (job.policies.fsdp_reshard_after_forward, job.policies.fsdp_grad_reduce)
