@@ -1,98 +1,65 @@
-"""Pipeline efficiency: pp=2 1F1B step time against one rank, the ideal speedup and raw torch pipelining.
+"""Pipeline efficiency: ours against raw torch pipelining, per model, schedule and m, paired and interleaved.
 
-    python bench/pipeline_efficiency.py                 # m = 4 8 16, 5 interleaved rounds
-    python bench/pipeline_efficiency.py --m 16 --reps 9
-    python bench/pipeline_efficiency.py --dim 64 --layers 2 --seq 16 --rows 16 --vocab 64 --reps 9 --profile 30
-                                                        # a tiny model: what the framework itself costs per step
+    python bench/pipeline_efficiency.py                       # both models, 5 schedules, m = 4 8 16, 3 rounds
+    python bench/pipeline_efficiency.py --models hf --schedules 1F1B --m 16 --reps 7 --rows 32 --dim 384
+                                                              # issue 16's Llama, 1F1B, m = 16
+    python bench/pipeline_efficiency.py --quick               # 1 round, m = 8 only: a smoke run
 
-Two gloo ranks on CPU, one thread each. Variants run interleaved (1 rank, 1-rank step on both ranks at
-once, ours m=4, raw m=4, ours m=8, ...), each round timing one step per variant between barriers; the
-table shows medians. Speedup = T(1 rank) / T(variant) on the same global batch; ideal = pp * m /
-(m + pp - 1) (the 1F1B bubble); "shared" is how fast a core computes while the other computes too,
-relative to alone, so ideal * shared is what this machine allows. "raw" is a hand-split model on
-PipelineStage + Schedule1F1B with no pp_tp code; ours/raw is the median of per-round ratios. CPU
-columns sum each rank's process time over the step: a waiting rank sleeps, so CPU time is the work
-done, and its ratios hold even when a shared machine stretches wall time.
-"others' CPU %" is the share of all cores that other processes used during the step (/proc/stat): on a
-shared machine anything above 0 slows a 2-rank pipeline on 2 cores far more than the 1-rank baseline.
+pp = 2 gloo ranks on CPU, one thread each. For each (model, schedule, m) "ours" is `pp_tp.build_pipeline`
++ `Pipeline.step` and "raw" the same split written directly on `PipelineStage` + the torch schedule class
+(bench/raw_pipeline.py), both over the same weights and global batch. Every round times one step of
+each variant between barriers; within a round ours and raw alternate which runs first, so a noisy
+neighbour's load hits both sides equally. ours/raw is the median of per-round ratios, with the
+smallest and largest pair beside it. CPU ratios sum each rank's process time over the step (a waiting
+rank sleeps, so CPU time is the work done). "others' CPU %" is the share of all cores that other
+processes used during the step (/proc/stat).
 """
 
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import os
-import pstats
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from common import World, batch, table
-from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from common import World, table
+from raw_pipeline import full_model, raw_step
 
 import pp_tp
-from pp_tp.models.reference.model import ModelArgs, Transformer
+from pp_tp.schedules.registry import default_stages_per_rank
 
 PP = 2
-_BUILT: dict = {}  # per rank process: variant -> (step function or None, parameters)
+SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "DualPipeV"]
+_BUILT: dict = {}  # per rank process: variant -> (step function, parameters)
 
 
-class RawHalf(nn.Module):
-    """A hand-split half of the reference Transformer: embedding + blocks, or blocks + norm + head."""
-
-    def __init__(self, model: Transformer, layers: Sequence[int], first: bool, last: bool):
-        super().__init__()
-        self.tok_embeddings = model.tok_embeddings if first else None
-        self.layers = nn.ModuleList(model.layers[str(i)] for i in layers)
-        self.norm = model.norm if last else None
-        self.output = model.output if last else None
-        self.register_buffer("rope", model.rope, persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
-        for layer in self.layers:
-            h = layer(h, self.rope)
-        return self.output(self.norm(h)) if self.output is not None else h
+def _batch(vocab: int, rows: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return torch.randint(0, vocab, (rows, seq), generator=gen), torch.randint(0, vocab, (rows, seq), generator=gen)
 
 
-def mean_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-
-
-def _full_model(args: ModelArgs) -> Transformer:
-    model = Transformer(args)
-    model.init_weights(seed=0)
-    return model
-
-
-def _build(variant: tuple, args: ModelArgs, rows: int, seq: int) -> tuple[Callable[[], Any] | None, list]:
-    kind, m = variant
-    ids, labels = batch(args, rows, seq)
-    rank = dist.get_rank()
-    if kind in ("single", "both"):  # "both": every rank runs the 1-rank step at once (the cores' shared limit)
-        if kind == "single" and rank != 0:
-            return None, []
-        model = _full_model(args)
-        return (lambda: mean_ce(model(ids), labels).backward()), list(model.parameters())
-    if kind == "ours":
-        pcfg = pp_tp.ParallelConfig(pp=PP, dp_shard=1, schedule="1F1B", microbatches=m, mixed_precision="fp32")
-        if "mesh" not in _BUILT:
-            _BUILT["mesh"] = pp_tp.build_mesh(pcfg)
-        with torch.device("meta"):
-            meta = Transformer(args)
-        pipe = pp_tp.build_pipeline(meta, _BUILT["mesh"], pcfg, seq_len=seq)
-        return (lambda: pipe.step(ids, labels)), [p for part in pipe.model_parts for p in part.parameters()]
-    half = args.n_layers // PP
-    module = RawHalf(_full_model(args), range(rank * half, (rank + 1) * half), first=rank == 0, last=rank == PP - 1)
-    schedule = Schedule1F1B(PipelineStage(module, rank, PP, torch.device("cpu")), n_microbatches=m, loss_fn=mean_ce)
-    step = (lambda: schedule.step(ids)) if rank == 0 else (lambda: schedule.step(target=labels, losses=[]))
-    return step, list(module.parameters())
+def _build(variant: tuple, a: argparse.Namespace) -> tuple[Callable[[], Any], list]:
+    model_kind, schedule, m, kind = variant
+    ids, labels = _batch(a.vocab, a.rows, a.seq)
+    model = full_model(model_kind, a.dim, a.layers, a.vocab, a.seq)
+    if kind == "raw":
+        return raw_step(model, a.layers, schedule, m, ids, labels, PP)
+    pcfg = pp_tp.ParallelConfig(
+        pp=PP,
+        dp_shard=1,
+        schedule=schedule,
+        microbatches=m,
+        stages_per_rank=default_stages_per_rank(schedule, PP),
+        mixed_precision="fp32",
+    )
+    if "mesh" not in _BUILT:
+        _BUILT["mesh"] = pp_tp.build_mesh(pcfg)
+    pipe = pp_tp.build_pipeline(model, _BUILT["mesh"], pcfg, seq_len=a.seq)  # takes the model's weights
+    return (lambda: pipe.step(ids, labels)), [p for part in pipe.model_parts for p in part.parameters()]
 
 
 def _machine_busy_s() -> float:
@@ -105,140 +72,90 @@ def _machine_busy_s() -> float:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
-def run_variant(variant: tuple, args: ModelArgs, rows: int, seq: int) -> tuple[float, float, float]:
-    """One step of `variant` (built and warmed up on first use): (wall seconds, this rank's CPU seconds,
-    CPU seconds the whole machine used meanwhile). Multi-rank variants run between barriers, so the
-    slowest rank sets the wall time."""
+def run_variant(variant: tuple, a: argparse.Namespace) -> tuple[float, float, float]:
+    """One step of `variant` (built and warmed up on first use), between barriers: (wall seconds, this
+    rank's CPU seconds, CPU seconds the whole machine used meanwhile)."""
     if variant not in _BUILT:
-        _BUILT[variant] = _build(variant, args, rows, seq)
-        if _BUILT[variant][0] is not None:
-            _BUILT[variant][0]()  # warm-up: shape inference, allocator, first touch
+        _BUILT[variant] = _build(variant, a)
+        _BUILT[variant][0]()  # warm-up: shape inference, allocator, first touch
     step, params = _BUILT[variant]
-    if step is None:  # the idle rank of the 1-rank baseline
-        return 0.0, 0.0, 0.0
     for p in params:
         p.grad = None
-    multi = variant[0] != "single"  # "both" too: its ranks start together and the slower one counts
-    if multi:
-        dist.barrier()
+    dist.barrier()
     wall, cpu, busy = time.perf_counter(), time.process_time(), _machine_busy_s()
     step()
-    if multi:
-        dist.barrier()
+    dist.barrier()
     return time.perf_counter() - wall, time.process_time() - cpu, _machine_busy_s() - busy
 
 
-def profile_variant(variant: tuple, args: ModelArgs, rows: int, seq: int, steps: int) -> tuple[float, str]:
-    """cProfile of `steps` steps of `variant` on this rank: total seconds, and the top functions by own time."""
-    run_variant(variant, args, rows, seq)  # build and warm up outside the profile
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(steps):
-        run_variant(variant, args, rows, seq)
-    prof.disable()
-    out = io.StringIO()
-    stats = pstats.Stats(prof, stream=out)
-    stats.sort_stats("tottime").print_stats(12)
-    return stats.total_tt, out.getvalue()
+def release(keys: list[tuple]) -> None:
+    """Frees the built variants of one case (their memory) once the case is measured."""
+    for k in keys:
+        _BUILT.pop(k, None)
+
+
+def _pairs(res: dict, case: tuple, i: int) -> list[float]:
+    return [o[i] / r[i] for o, r in zip(res[case + ("ours",)], res[case + ("raw",)])]
+
+
+def _row(case: tuple, res: dict, others: dict) -> tuple:
+    wall, cpu = _pairs(res, case, 0), _pairs(res, case, 1)
+    return (
+        *case[:2],
+        default_stages_per_rank(case[1], PP),
+        case[2],
+        f"{statistics.median(r[0] for r in res[case + ('ours',)]):.3f}",
+        f"{statistics.median(r[0] for r in res[case + ('raw',)]):.3f}",
+        f"{statistics.median(wall):.3f} [{min(wall):.3f}-{max(wall):.3f}]",
+        f"{statistics.median(cpu):.3f} [{min(cpu):.3f}-{max(cpu):.3f}]",
+        "/".join(f"{100 * statistics.median(others[case + (k,)]):.0f}" for k in ("ours", "raw")),
+    )
+
+
+def measure(world: World, cases: list[tuple], a: argparse.Namespace) -> list[tuple]:
+    """Paired interleaved rounds over `cases`; returns the table rows."""
+    res: dict[tuple, list[tuple[float, float]]] = {c + (k,): [] for c in cases for k in ("ours", "raw")}
+    others: dict[tuple, list[float]] = {k: [] for k in res}
+    for case in cases:  # builds stay alive only for the case being measured (memory)
+        for r in range(a.reps):
+            for kind in ("ours", "raw") if r % 2 == 0 else ("raw", "ours"):
+                out = world.run(run_variant, case + (kind,), a)
+                wall, cpu = out[0][0], sum(x[1] for x in out)
+                res[case + (kind,)].append((wall, cpu))
+                others[case + (kind,)].append(max(0.0, out[0][2] - cpu) / (wall * os.cpu_count()))
+        world.run(release, [case + (k,) for k in ("ours", "raw")])
+    return [_row(c, res, others) for c in cases]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["ref", "hf"], choices=["ref", "hf"])
+    parser.add_argument("--schedules", nargs="+", default=SCHEDULES)
     parser.add_argument("--m", type=int, nargs="+", default=[4, 8, 16], help="microbatch counts")
-    parser.add_argument("--reps", type=int, default=5, help="interleaved rounds")
-    parser.add_argument("--rows", type=int, default=32, help="global batch rows")
+    parser.add_argument("--reps", type=int, default=3, help="paired rounds per case")
+    parser.add_argument("--rows", type=int, default=16, help="global batch rows")
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=512)
-    parser.add_argument(
-        "--profile",
-        type=int,
-        default=0,
-        metavar="STEPS",
-        help="then cProfile STEPS steps of ours and raw at the largest m, on every rank",
-    )
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--quick", action="store_true", help="1 round at m = 8: a smoke run")
     a = parser.parse_args()
-    args = ModelArgs(vocab_size=a.vocab, dim=a.dim, n_layers=a.layers, n_heads=8, ffn_dim=3 * a.dim, max_seq_len=a.seq)
-    variants = [("single", 0), ("both", 0)] + [(kind, m) for m in a.m for kind in ("ours", "raw")]
-    wall: dict[tuple, list[float]] = {v: [] for v in variants}
-    cpu: dict[tuple, list[float]] = {v: [] for v in variants}
-    others: dict[tuple, list[float]] = {v: [] for v in variants}  # share of the cores other processes used
-    load = os.getloadavg()[0]
+    if a.quick:
+        a.reps, a.m = 1, [8]
+    cases = [(model, s, m) for model in a.models for s in a.schedules for m in a.m]
+    load, start = os.getloadavg()[0], time.perf_counter()
     world = World(PP)
     try:
-        for _ in range(a.reps):  # A B C A B C ...: a noisy neighbour's load spreads over all variants
-            for v in variants:
-                results = world.run(run_variant, v, args, a.rows, a.seq)
-                wall[v].append(results[0][0])
-                cpu[v].append(sum(r[1] for r in results))
-                others[v].append(max(0.0, results[0][2] - cpu[v][-1]) / (results[0][0] * os.cpu_count()))
-        profiles = (
-            {
-                kind: world.run(profile_variant, (kind, max(a.m)), args, a.rows, a.seq, a.profile)
-                for kind in ("ours", "raw")
-            }
-            if a.profile
-            else {}
-        )
+        rows = measure(world, cases, a)
     finally:
         world.close()
-
-    def paired(x: tuple, y: tuple, d: dict) -> float:
-        return statistics.median(p / q for p, q in zip(d[x], d[y]))
-
-    single = statistics.median(wall[("single", 0)])
-    # Both cores busy at once run slower than one alone (shared caches, memory bandwidth, clocks): the
-    # most a 2-rank pipeline can reach on this machine is ideal * shared.
-    shared = single / statistics.median(wall[("both", 0)])
-    rows = [
-        (
-            "m",
-            "ideal",
-            "ours speedup",
-            "ours/ideal",
-            "ours/(ideal*shared)",
-            "raw speedup",
-            "raw/ideal",
-            "ours/raw wall",
-            "ours/raw CPU",
-            "1-rank CPU / ours CPU",
-            "ours s",
-            "raw s",
-            "others' CPU % (1-rank/ours/raw)",
-        )
-    ]
-    for m in a.m:
-        ideal = PP * m / (m + PP - 1)
-        ours, raw = statistics.median(wall[("ours", m)]), statistics.median(wall[("raw", m)])
-        rows.append(
-            (
-                m,
-                f"{ideal:.3f}",
-                f"{single / ours:.3f}",
-                f"{single / ours / ideal:.3f}",
-                f"{single / ours / ideal / shared:.3f}",
-                f"{single / raw:.3f}",
-                f"{single / raw / ideal:.3f}",
-                f"{paired(('ours', m), ('raw', m), wall):.4f}",
-                f"{paired(('ours', m), ('raw', m), cpu):.4f}",
-                f"{statistics.median(cpu[('single', 0)]) / statistics.median(cpu[('ours', m)]):.3f}",
-                f"{ours:.3f}",
-                f"{raw:.3f}",
-                "/".join(f"{100 * statistics.median(others[v]):.0f}" for v in (("single", 0), ("ours", m), ("raw", m))),
-            )
-        )
     print(
-        f"model dim={a.dim} layers={a.layers} vocab={a.vocab}; global batch {a.rows}x{a.seq}; pp={PP}, 1F1B; "
-        f"{a.reps} rounds, medians; 1-rank step {single:.3f} s; shared = T(1 rank alone) / T(1-rank step on "
-        f"both ranks at once) = {shared:.3f}; load average before/after: {load:.1f}/"
-        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+        f"dim={a.dim} layers={a.layers} vocab={a.vocab}; global batch {a.rows}x{a.seq}; pp={PP}, fp32, 1 thread per "
+        f"rank; {a.reps} paired rounds per case; load average before/after: {load:.1f}/{os.getloadavg()[0]:.1f} on "
+        f"{os.cpu_count()} cores; {time.perf_counter() - start:.0f} s"
     )
-    print(table(rows))
-    for kind, per_rank in profiles.items():
-        for rank, (total, listing) in enumerate(per_rank):
-            print(f"\n--- {kind}, m={max(a.m)}, rank {rank}: {total:.3f} s in {a.profile} steps under cProfile")
-            print(listing[listing.index("ncalls") :].rstrip())
+    header = ("model", "schedule", "v", "m", "ours s", "raw s", "ours/raw wall [min-max]", "ours/raw CPU [min-max]")
+    print(table([header + ("others' CPU % (ours/raw)",)] + rows))
 
 
 if __name__ == "__main__":

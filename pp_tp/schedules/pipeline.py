@@ -7,6 +7,7 @@ every rank must see the same shape, as they do when the data loader feeds equal 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -173,7 +174,10 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         args = (input_ids,) if self.has_first_stage else ()
         target = labels if self.has_last_stage else None
-        with self._loss.parallel():  # torch wants the vocab-parallel loss's backward inside loss_parallel() too
+        with contextlib.ExitStack() as ctx:
+            ctx.enter_context(self._loss.parallel())  # torch wants the vocab-parallel loss's backward inside it too
+            for stage in self.model_parts:  # masks and rotary tables once per step, not once per microbatch
+                ctx.enter_context(stage.reuse_block_inputs())
             self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
         reduce_partial_grads(self.model_parts)  # once per step, after the last microbatch
         if self.tied is not None:

@@ -8,6 +8,10 @@ asked to skip missing modules. Between stages only one plain tensor ``[microbatc
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -16,6 +20,7 @@ from pp_tp._torch import (
     child_modules,
     is_persistent_buffer,
     is_traceable_wrapper_subclass,
+    tree_flatten,
     wait_tensor,
 )
 from pp_tp.stages.layouts import ModelLayout
@@ -64,6 +69,7 @@ class StageModule(nn.Module):
         self.checkpoint_keys: dict[str, str] = {
             name: aliases.get(name, name) for name, _ in self.named_parameters(remove_duplicate=False)
         }
+        self._block_inputs_cache: dict[tuple, tuple[Any, ...]] | None = None  # on only inside reuse_block_inputs()
 
     @property
     def is_first(self) -> bool:
@@ -79,6 +85,29 @@ class StageModule(nn.Module):
         container = self.get_submodule(self.layout.blocks)
         return [container[k] for k in self.spec.blocks]
 
+    @contextlib.contextmanager
+    def reuse_block_inputs(self) -> Iterator[None]:
+        """Inside: the blocks' extra inputs (masks, position ids, rotary tables) are computed once per microbatch
+        shape instead of once per microbatch. A layout's `block_inputs` depends on the hidden state only through
+        its shape, dtype and device; extras that require grad (built from h's values) are never reused."""
+        self._block_inputs_cache = {}
+        try:
+            yield
+        finally:
+            self._block_inputs_cache = None
+
+    def _block_inputs(self, h: torch.Tensor) -> tuple[Any, ...]:
+        cache = self._block_inputs_cache
+        if cache is None:
+            return self.layout.block_inputs(self, h)
+        key = (tuple(h.shape), h.dtype, h.device)
+        if key not in cache:
+            extras = self.layout.block_inputs(self, h)
+            if any(t.requires_grad for t in tree_flatten(extras)[0] if isinstance(t, torch.Tensor)):
+                return extras
+            cache[key] = extras
+        return cache[key]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lay = self.layout
         if self.is_first:
@@ -87,7 +116,7 @@ class StageModule(nn.Module):
         else:
             h = x
         if self.spec.blocks:
-            extras = lay.block_inputs(self, h)
+            extras = self._block_inputs(h)
             for block in self.blocks():
                 h = lay.call_block(block, h, extras)
         if self.is_last:
