@@ -38,7 +38,8 @@ class ModelLayout:
     """Describes one model family to the stage builder.
 
     ``shared``: names (modules or non-persistent buffers) every stage keeps, e.g. rotary tables.
-    ``block_inputs(stage, h)``: the extra positional args each block needs after the hidden state.
+    ``block_inputs(stage, h)``: the extra args each block needs after the hidden state; they may depend on h only
+    through its shape, dtype and device (a step computes them once per microbatch shape and reuses them).
     ``call_block(block, h, extras)``: runs one block, returning the new hidden state.
     ``init_buffers(stage, model)``: recomputes non-persistent buffers after meta -> device materialization.
     ``tp_plan``: block-relative FQN -> style name, used by the tensor-parallel pass. "replicate_input" on the
