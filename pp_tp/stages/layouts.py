@@ -38,8 +38,9 @@ class ModelLayout:
     """Describes one model family to the stage builder.
 
     ``shared``: names (modules or non-persistent buffers) every stage keeps, e.g. rotary tables.
-    ``block_inputs(stage, h)``: the extra args each block needs after the hidden state; they may depend on h only
-    through its shape, dtype and device (a step computes them once per microbatch shape and reuses them).
+    ``block_inputs(stage, h)``: the extra args each block needs after the hidden state.
+    ``static_block_inputs``: True when block_inputs depends on h only through its shape, dtype and device (masks,
+    rotary tables), so a step computes them once per microbatch shape; False (the default) calls it per microbatch.
     ``call_block(block, h, extras)``: runs one block, returning the new hidden state.
     ``init_buffers(stage, model)``: recomputes non-persistent buffers after meta -> device materialization.
     ``tp_plan``: block-relative FQN -> style name, used by the tensor-parallel pass. "replicate_input" on the
@@ -71,6 +72,7 @@ class ModelLayout:
     after_head: Callable[[torch.Tensor], torch.Tensor] | None = None
     specialize: Callable[[nn.Module], ModelLayout] | None = None
     tp_refusal: str | None = None
+    static_block_inputs: bool = False
 
     def block_keys(self, model: nn.Module) -> list[str]:
         """The blocks' names inside the blocks container, in execution order."""

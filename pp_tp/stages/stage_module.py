@@ -87,9 +87,9 @@ class StageModule(nn.Module):
 
     @contextlib.contextmanager
     def reuse_block_inputs(self) -> Iterator[None]:
-        """Inside: the blocks' extra inputs (masks, position ids, rotary tables) are computed once per microbatch
-        shape instead of once per microbatch. A layout's `block_inputs` depends on the hidden state only through
-        its shape, dtype and device; extras that require grad (built from h's values) are never reused."""
+        """Inside: for a layout with `static_block_inputs` (masks, position ids, rotary tables from h's shape only),
+        the blocks' extra inputs are computed once per microbatch shape instead of once per microbatch; extras
+        that require grad are never reused. Other layouts (per-microbatch positions) are called every time."""
         self._block_inputs_cache = {}
         try:
             yield
@@ -98,7 +98,7 @@ class StageModule(nn.Module):
 
     def _block_inputs(self, h: torch.Tensor) -> tuple[Any, ...]:
         cache = self._block_inputs_cache
-        if cache is None:
+        if cache is None or not self.layout.static_block_inputs:
             return self.layout.block_inputs(self, h)
         key = (tuple(h.shape), h.dtype, h.device)
         if key not in cache:

@@ -193,6 +193,7 @@ def compose(model: nn.Module) -> ModelLayout:
         attention=attention,
         after_embed=after_embed(model.config),
         after_head=after_head(model.config),
+        static_block_inputs=True,  # masks and rotary tables from the microbatch's shape only (no padding mask)
     )
 
 

@@ -47,4 +47,5 @@ REFERENCE = ModelLayout(
     tp_plan=BLOCK_TP_PLAN,
     qk_norms=("attention.q_norm", "attention.k_norm"),
     init_std=param_init_std,
+    static_block_inputs=True,  # the rotary table only
 )
