@@ -9,6 +9,7 @@ import pytest
 
 from pp_tp.cli import main
 from pp_tp.config import config_from_dict
+from pp_tp.errors import ConfigError
 from pp_tp.models.factory import build_model
 from pp_tp.planner import plan_job
 from pp_tp.planner.layout_eval import LayoutEvaluator
@@ -41,7 +42,7 @@ def _auto(cfg, kw: dict, budget_gib: float):
 
 @pytest.mark.parametrize("kw", LAYOUTS, ids=[f"{k['schedule']}-pp{k['pp']}" for k in LAYOUTS])
 def test_cached_evaluation_equals_the_full_dry_run(kw):
-    """Generous budget (torch's policies), then 3 % under that peak (auto moves the peak rank off them)."""
+    """Generous budget (torch's policies), then 1 % under that peak (auto moves the peak rank off them)."""
     cfg = config_from_dict(JOB, world_size=WORLD)
     model = build_model(cfg.model, "meta")
     evaluator = LayoutEvaluator(cfg, WORLD, model, layout_for(model))
@@ -49,13 +50,17 @@ def test_cached_evaluation_equals_the_full_dry_run(kw):
     for _ in range(2):
         pcfg = _auto(cfg, kw, budget)
         lay = evaluator.evaluate(pcfg)
+        if lay is None:  # nothing fits: the dry run refuses the same budget
+            with pytest.raises(ConfigError, match="no FSDP policy fits"):
+                plan_job(dataclasses.replace(cfg, parallel=pcfg), WORLD)
+            return
         job = plan_job(dataclasses.replace(cfg, parallel=pcfg), WORLD)
         assert lay.pcfg.fsdp_grad_reduce == job.policies.fsdp_grad_reduce
         assert lay.pcfg.fsdp_reshard_after_forward == job.policies.fsdp_reshard_after_forward
         assert [r.total_bytes for r in lay.ranks] == [r.total_bytes for r in job.ranks]
         assert [r.local_params for r in lay.ranks] == [r.local_params for r in job.ranks]
         assert lay.bubble == job.schedules[0].bubble_simulated
-        budget = 0.97 * lay.peak_bytes / 2**30
+        budget = 0.99 * lay.peak_bytes / 2**30
     assert (lay.pcfg.fsdp_reshard_after_forward, lay.pcfg.fsdp_grad_reduce) != ("default", "step")
 
 

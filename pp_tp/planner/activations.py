@@ -8,6 +8,7 @@ from typing import Self
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 
 from pp_tp._torch import local_tensor
 from pp_tp.config import ParallelConfig
@@ -94,14 +95,21 @@ class SavedActivations:
 
 def stage_activation_bytes(
     stage: StageModule, mesh: DeviceMesh, pcfg: ParallelConfig, microbatch: int, seq: int, dim: int
-) -> int:
-    """Saved activations of one microbatch through `stage` (and its loss, on the last stage), on fake tensors."""
+) -> tuple[int, int]:
+    """(saved activations of one microbatch through `stage` (and its loss, on the last stage), what the
+    backward's recompute of one checkpointed module saves on top), on fake tensors."""
     act_dtype = torch.bfloat16 if pcfg.mixed_precision == "bf16" else torch.float32
     stage.to_empty(device="cpu")
     if stage.is_first:
         x = torch.zeros(microbatch, seq, dtype=torch.long)
     else:
         x = torch.empty(microbatch, seq, dim, dtype=act_dtype, requires_grad=True)
+    calls: list = []
+    checkpointed = [m for m in stage.modules() if is_checkpointed(m)][:1]
+    hooks = [  # prepended: the module's own inputs, before TP's input hooks turn them into DTensors
+        m.register_forward_pre_hook(lambda m, a, k: calls.append((m, a, k)), with_kwargs=True, prepend=True)
+        for m in checkpointed
+    ]
     with SavedActivations(stage) as saved:
         out = stage(x)
         if stage.is_last:
@@ -109,4 +117,22 @@ def stage_activation_bytes(
             loss = TokenSumLoss(mesh["tp"] if pcfg.loss_parallel and pcfg.tp > 1 else None)
             with loss.parallel():
                 loss(out, labels)
-    return saved.peak
+    for h in hooks:
+        h.remove()
+    recompute = 0
+    if calls:  # backward runs the module's own forward again, saving what it saves without checkpointing
+        module, args, kwargs = calls[0]
+        owner = next((b for b in stage.blocks() if any(m is module for m in b.modules())), None)
+        fsdp = owner if isinstance(owner, FSDPModule) else None
+        checkpointed_forward, module.forward = module.forward, module.forward.__wrapped__
+        try:
+            if fsdp is not None:
+                fsdp.unshard()  # the block's parameters are gathered in backward, as here
+            with SavedActivations(stage) as again:
+                module(*args, **kwargs)
+        finally:
+            module.forward = checkpointed_forward
+            if fsdp is not None:
+                fsdp.reshard()
+        recompute = again.peak
+    return saved.peak, recompute

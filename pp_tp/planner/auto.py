@@ -43,7 +43,7 @@ def choose(rank: RankMemory, actions: list, pcfg: ParallelConfig) -> tuple[str |
     """This rank's pair: the fitting one moving the fewest bytes (then the smallest peak); ConfigError if none fits."""
     reshard = per_rank(pcfg.fsdp_reshard_after_forward, pcfg.pp)[rank.pp_rank]
     reduce = per_rank(pcfg.fsdp_grad_reduce, pcfg.pp)[rank.pp_rank]
-    static = rank.param_bytes + rank.grad_bytes + rank.optim_bytes
+    static = rank.fixed_bytes
     scored = []
     for r, g in options(pcfg, reshard, reduce):
         trial = dataclasses.replace(pcfg, fsdp_reshard_after_forward=r, fsdp_grad_reduce=g)
@@ -54,7 +54,7 @@ def choose(rank: RankMemory, actions: list, pcfg: ParallelConfig) -> tuple[str |
         return min(fitting, key=lambda x: (x[1], x[0]))[2]
     peak, _, (r, g), walk = min(scored, key=lambda x: x[0])
     parts = {
-        "parameters + gradients + optimizer states (sharded)": static,
+        "sharded state, receive buffers and backward transients": static,
         "activations": walk.act,
         "gathered parameters": walk.gathered,
         "unsharded gradients": walk.grads,

@@ -75,7 +75,7 @@ def plan_job(cfg: JobConfig, world_size: int) -> JobPlan:
                     pcfg,
                     microbatch,
                     cfg.training.seq_len,
-                    layout.dims(model).dim,
+                    layout.dims(model),
                     fake,
                 )
         costs = [[kinds[_kind(s)] for s in plan.for_rank(r)] for r in range(pcfg.pp)]

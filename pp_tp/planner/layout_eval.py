@@ -78,7 +78,7 @@ class LayoutEvaluator:
 
     def _choose(self, rank: RankMemory, actions: list, p: ParallelConfig) -> tuple | None:
         """auto.choose's pick for this rank, or None when no pair fits the budget."""
-        static = rank.param_bytes + rank.grad_bytes + rank.optim_bytes
+        static = rank.fixed_bytes
         pairs = options(p, per_rank(p.fsdp_reshard_after_forward, p.pp)[rank.pp_rank],
                         per_rank(p.fsdp_grad_reduce, p.pp)[rank.pp_rank])  # fmt: skip
         ranked = sorted((self._moved(rank, actions, p, pair), i, pair) for i, pair in enumerate(pairs))

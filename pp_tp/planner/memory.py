@@ -16,6 +16,7 @@ from pp_tp.parallel.apply import parallelize_stage
 from pp_tp.parallel.fsdp import grad_reduce_every, keeps_params_gathered, uses_fsdp
 from pp_tp.planner.activations import stage_activation_bytes
 from pp_tp.planner.walk import StageBytes, StagePolicy, Walk
+from pp_tp.stages.layouts import ModelDims
 from pp_tp.stages.stage_module import StageModule
 
 FP32 = 4
@@ -39,18 +40,18 @@ class RankMemory:
     sizes: dict[int, StageBytes] = field(default_factory=dict)  # per stage, for walk_step
     policy: dict[int, StagePolicy] = field(default_factory=dict)
     act_peak_bytes: int = 0  # the coming-and-going parts at the rank's peak moment (walk_step)
+    buffer_bytes: int = 0  # torch's PipelineStage receive buffers: one per microbatch, kept across steps
+    transient_bytes: int = 0  # gradients in flight during one microbatch's backward (the largest stage's)
+
+    @property
+    def fixed_bytes(self) -> int:
+        """What does not come and go with the step walk: sharded state, receive buffers, backward transient."""
+        return self.param_bytes + self.grad_bytes + self.optim_bytes + self.buffer_bytes + self.transient_bytes
 
     @property
     def total_bytes(self) -> int:
         """Everything the rank holds at its peak, to compare against the device's memory."""
-        return (
-            self.param_bytes
-            + self.gathered_bytes
-            + self.grad_bytes
-            + self.grad_accum_bytes
-            + self.optim_bytes
-            + self.act_peak_bytes
-        )
+        return self.fixed_bytes + self.gathered_bytes + self.grad_accum_bytes + self.act_peak_bytes
 
     def dominant(self) -> tuple[str, int]:
         """The largest part of total_bytes: (name, bytes)."""
@@ -61,6 +62,8 @@ class RankMemory:
             "unsharded gradient accumulation": self.grad_accum_bytes,
             "optimizer states": self.optim_bytes,
             "activations": self.act_peak_bytes,
+            "pipeline receive buffers": self.buffer_bytes,
+            "backward transients": self.transient_bytes,
         }
         return max(parts.items(), key=lambda kv: kv[1])
 
@@ -74,6 +77,8 @@ class StageCost:
     tp_local: int
     act_bytes: int
     unit_tp_local: int = 0
+    buffer_bytes: int = 0  # per microbatch: the activation (non-first stage) and gradient (non-last) buffers
+    transient_bytes: int = 0
 
 
 def tp_local_numel(p: torch.Tensor) -> int:
@@ -98,7 +103,7 @@ def stage_cost(
     pcfg: ParallelConfig,
     microbatch: int,
     seq: int,
-    dim: int,
+    dims: ModelDims,
     fake: FakeTensorMode,
 ) -> StageCost:
     """Parallelizes `stage` on meta (the real passes, on the fake world's mesh) and measures it."""
@@ -108,8 +113,29 @@ def stage_cost(
     tp_local = sum(tp_local_numel(p) for p in stage.parameters())
     with fake, warnings.catch_warnings():  # one mode for all stages: shared modules (rotary tables) stay in it
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # the output view is never modified
-        acts = stage_activation_bytes(stage, mesh, pcfg, microbatch, seq, dim)
-    return StageCost(local, tp_local, acts, max([*blocks, tp_local - sum(blocks)]))
+        acts, recompute = stage_activation_bytes(stage, mesh, pcfg, microbatch, seq, dims.dim)
+    buffers, transient = boundary_extras(stage.is_first, stage.is_last, pcfg, microbatch, seq, dims)
+    return StageCost(local, tp_local, acts, max([*blocks, tp_local - sum(blocks)]), buffers, transient + recompute)
+
+
+def boundary_extras(
+    first: bool, last: bool, pcfg: ParallelConfig, microbatch: int, seq: int, d: ModelDims
+) -> tuple[int, int]:
+    """(receive-buffer bytes per microbatch, backward transient bytes) of a stage; `d` its ModelDims.
+
+    torch's PipelineStage keeps a [mb, seq, dim] receive buffer per microbatch for activations (all but the
+    first stage) and one for their gradients (all but the last), across steps. A backward holds, beyond the
+    saved activations: on the last stage three fp32 [mb, seq, vocab (/ tp with loss_parallel)] tensors (the
+    gradients of the log-softmax output and of the logits, and the softmax the backward computes); on
+    others two [mb, seq, ffn / tp] gradients inside a block's MLP. The stage input saved in the walk's
+    activations is the receive buffer itself, counted twice (an over-estimate of one boundary per held
+    microbatch). Activation checkpointing adds what one module's recompute saves (stage_activation_bytes).
+    """
+    act = 2 if pcfg.mixed_precision == "bf16" else FP32
+    boundary = microbatch * seq * d.dim * act
+    vocab = d.vocab_size // pcfg.tp if pcfg.loss_parallel and pcfg.tp > 1 else d.vocab_size
+    transient = 3 * microbatch * seq * vocab * FP32 if last else 2 * microbatch * seq * (d.ffn_dim // pcfg.tp) * act
+    return boundary * ((not first) + (not last)), transient
 
 
 def stage_policy(pcfg: ParallelConfig) -> StagePolicy:
@@ -151,6 +177,8 @@ def rank_memory(pp_rank: int, stages: list[int], costs: list[StageCost], pcfg: P
         act_bytes_per_microbatch={s: c.act_bytes for s, c in zip(stages, costs)},
         sizes=sizes,
         policy={s: stage_policy(pcfg) for s in stages},
+        buffer_bytes=pcfg.microbatches * sum(c.buffer_bytes for c in costs) if pcfg.pp > 1 else 0,
+        transient_bytes=max(c.transient_bytes for c in costs),
     )
 
 

@@ -31,7 +31,7 @@ from pp_tp.models.factory import build_model
 from pp_tp.parallel.apply import parallelize_stage
 from pp_tp.planner.activations import stage_activation_bytes
 from pp_tp.planner.fake_world import fake_world
-from pp_tp.planner.memory import StageCost, tp_local_numel
+from pp_tp.planner.memory import StageCost, boundary_extras, tp_local_numel
 from pp_tp.stages.plan import StageSpec
 from pp_tp.stages.stage_module import StageModule
 
@@ -47,6 +47,8 @@ class Measured:
     unit: int
     act: int
     act2: int  # at a microbatch of two sequences: activations are affine in the microbatch (rotary slices)
+    recompute: int = 0  # what the backward's recompute of one checkpointed module saves, at one and two
+    recompute2: int = 0
 
     def local(self, dp_shard: int) -> int:
         """Elements of the largest (first) FSDP shard."""
@@ -71,6 +73,7 @@ class StageCostCache:
         self.cfg, self.model, self.layout = cfg, model, layout
         self._measured: dict[tuple[int, str, Kind], Measured] = {}
         self._costs: dict[tuple, StageCost] = {}
+        self.dims = layout.dims(model)
         # Two blocks are all a measurement needs; an HF model keeps its config.json's shape.
         few = {"n_layers": min(2, cfg.model.n_layers)} if not cfg.model.hf_path else {}
         self._small = dataclasses.replace(cfg.model, **few)
@@ -102,8 +105,11 @@ class StageCostCache:
                 blocks = [sum(tp_local_numel(p) for p in b.parameters()) for b in stage.blocks()]
                 total = sum(tp_local_numel(p) for p in stage.parameters())
                 with fake:
-                    act = [stage_activation_bytes(stage, mesh, pcfg, mb, seq, dim) for mb in (1, 2)]
-                self._measured[(tp, ac, kind)] = Measured(shapes, max([*blocks, total - sum(blocks)]), *act)
+                    (act1, re1), (act2, re2) = (
+                        stage_activation_bytes(stage, mesh, pcfg, mb, seq, dim) for mb in (1, 2)
+                    )
+                unit = max([*blocks, total - sum(blocks)])
+                self._measured[(tp, ac, kind)] = Measured(shapes, unit, act1, act2, re1, re2)
 
     def _get(self, tp: int, ac: str, kinds: list[Kind]) -> list[Measured]:
         missing = [k for k in dict.fromkeys(kinds) if (tp, ac, k) not in self._measured]
@@ -125,5 +131,10 @@ class StageCostCache:
             act1, act2 = (getattr(one, a) + k * (getattr(b2, a) - getattr(b1, a)) for a in ("act", "act2"))
             probe = Measured(+shapes, max(one.unit, b2.unit), act1, act2)
             act = act1 + (microbatch - 1) * (act2 - act1)
-            self._costs[key] = StageCost(probe.local(dp_shard), probe.tp_local, act, probe.unit)
+            recompute = one.recompute + (microbatch - 1) * (one.recompute2 - one.recompute)
+            pcfg = dataclasses.replace(self.cfg.parallel, tp=tp)
+            buffers, transient = boundary_extras(embed, head, pcfg, microbatch, self.cfg.training.seq_len, self.dims)
+            self._costs[key] = StageCost(
+                probe.local(dp_shard), probe.tp_local, act, probe.unit, buffers, transient + recompute
+            )
         return self._costs[key]
