@@ -129,5 +129,6 @@ def test_predicted_peak_within_15_percent_of_measured(name, world):
     for r in world(4).run(measure_case, d):
         if r["coord0"]:
             ratio = predicted[r["pp_rank"]] / r["peak"]
-            print(name, r["pp_rank"], predicted[r["pp_rank"]], r["peak"], f"{ratio:.3f}")
+            pp_rank, peak = r["pp_rank"], r["peak"]
+            print(f"\n{name} pp rank {pp_rank}: predicted {predicted[pp_rank]} measured {peak} ratio {ratio:.3f}")
             assert abs(ratio - 1) <= 0.15, (name, r, predicted)

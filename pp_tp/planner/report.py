@@ -57,6 +57,8 @@ def format_plan(job: JobPlan) -> str:
             "optimizer",
             "act/microbatch",
             "act peak",
+            "recv buffers",
+            "bwd transient",
             "total",
         )
     ]
@@ -73,6 +75,8 @@ def format_plan(job: JobPlan) -> str:
                 _size(r.optim_bytes),
                 _size(sum(r.act_bytes_per_microbatch.values())),
                 _size(r.act_peak_bytes),
+                _size(r.buffer_bytes),
+                _size(r.transient_bytes),
                 _size(r.total_bytes),
             )
         )
