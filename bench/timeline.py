@@ -6,7 +6,9 @@
 For each schedule and m, one step runs on pp gloo ranks (one thread each) with pp_tp.timeline's
 recorder around the stages' forward/backward, the loss and torch's p2p waits. Bubble = idle over
 compute time per rank: measured (step wall time between barriers minus compute), simulated from
-torch's action order (F = 1, B = 2 cost units), and theoretical ((p-1)/m, (p-1)/(v m)). In the trace
+torch's action order (F = 1, B = 2 cost units; I = W = 1 where B is split), and theoretical ((p-1)/m,
+(p-1)/(v m); for the schedules that split B into I and W, ZB-H1's (p-1)/(3m): the bubble left when
+W fills it, with F = I = W). In the trace
 one simulated cost unit is drawn as long as the measured mean forward.
 """
 
@@ -18,6 +20,7 @@ import statistics
 from common import World, default_stages_per_rank, table, warm_pipeline
 
 from pp_tp.models.reference.model import ModelArgs
+from pp_tp.schedules.registry import get_schedule_spec
 from pp_tp.timeline import (
     bubble_fraction,
     chrome_trace,
@@ -61,6 +64,8 @@ def main() -> None:
                 measured = bubble_fraction(spans, makespan=wall)
                 sim = simulate(schedule_actions(schedule, a.pp, m, v))
                 theory = theoretical_bubble(schedule, a.pp, m, v)
+                if theory is None and get_schedule_spec(schedule).splits_weight_grad:
+                    theory = (a.pp - 1) / (3 * m)  # ZB-H1 (Qi et al. 2023), F = I = W
                 out.append(
                     (
                         schedule,
