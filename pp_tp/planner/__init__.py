@@ -10,8 +10,11 @@ pp rank, at dp/tp coordinate 0 (the largest FSDP shard), it reports:
   reduce-scatter;
 - saved activations of one microbatch per stage, measured by a forward on fake tensors (shapes
   only) under `saved_tensors_hooks`, times the microbatches each schedule holds at its peak on that
-  rank (from the schedule's own action order); with activation checkpointing, the one block being
-  recomputed in backward comes on top;
+  rank (from the schedule's own action order); with activation checkpointing, what the recompute of one
+  module saves comes on top;
+- torch's PipelineStage receive buffers (one per microbatch, activations and gradients, kept across
+  steps) and the gradients a backward holds beyond the saved activations (memory.boundary_extras);
+  tests/test_planner_memory.py checks the total against a real run's measured peak;
 - the bubble fraction of each schedule: theory where it has a closed form, and simulated.
 
 compile and float8 are left out of the dry run: neither runs on fake CPU tensors, and neither
