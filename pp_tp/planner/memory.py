@@ -126,7 +126,8 @@ def boundary_extras(
     torch's PipelineStage keeps a [mb, seq, dim] receive buffer per microbatch for activations (all but the
     first stage) and one for their gradients (all but the last), across steps. A backward holds, beyond the
     saved activations: on the last stage three fp32 [mb, seq, vocab (/ tp with loss_parallel)] tensors (the
-    gradients of the log-softmax output and of the logits, and the softmax the backward computes); on
+    gradients of the log-softmax output and of the logits, and the softmax the backward computes; one more
+    under TP without loss_parallel, the all-gather of the head's output, whose buffer outlives its use); on
     others two [mb, seq, ffn / tp] gradients inside a block's MLP. The stage input saved in the walk's
     activations is the receive buffer itself, counted twice (an over-estimate of one boundary per held
     microbatch). Activation checkpointing adds what one module's recompute saves (stage_activation_bytes).
@@ -134,7 +135,9 @@ def boundary_extras(
     act = 2 if pcfg.mixed_precision == "bf16" else FP32
     boundary = microbatch * seq * d.dim * act
     vocab = d.vocab_size // pcfg.tp if pcfg.loss_parallel and pcfg.tp > 1 else d.vocab_size
-    transient = 3 * microbatch * seq * vocab * FP32 if last else 2 * microbatch * seq * (d.ffn_dim // pcfg.tp) * act
+    logits = microbatch * seq * vocab * FP32
+    gathered = pcfg.tp > 1 and not pcfg.loss_parallel  # the head's output all-gathered to the full vocabulary
+    transient = (3 + gathered) * logits if last else 2 * microbatch * seq * (d.ffn_dim // pcfg.tp) * act
     return boundary * ((not first) + (not last)), transient
 
 
