@@ -20,8 +20,25 @@ def _table(rows: list[tuple]) -> str:
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells)
 
 
-def format_plan(job: JobPlan) -> str:
-    """The dry run as text: mesh, stage table, per-rank memory, schedules."""
+_MEMORY_COLUMNS = (
+    "pp rank",
+    "stages",
+    "local params",
+    "params",
+    "gathered",
+    "grads",
+    "grad accum",
+    "optimizer",
+    "act/microbatch",
+    "act peak",
+    "recv buffers",
+    "bwd transient",
+    "total",
+)
+
+
+def _header(job: JobPlan) -> list[str]:
+    """World, mesh, model and batch shape, and the FSDP policy in force."""
     p, t, m = job.cfg.parallel, job.cfg.training, job.cfg.model
     mesh = " x ".join(f"{k}={v}" for k, v in job.mesh.items())
     chosen = job.policies or p
@@ -31,7 +48,7 @@ def format_plan(job: JobPlan) -> str:
         if uses_fsdp(p)
         else "no FSDP"
     )
-    lines = [
+    return [
         f"world: {job.world_size} ranks (fake process group); mesh {mesh}",
         (
             f"model: dim={m.dim} layers={m.n_layers} heads={m.n_heads}/{m.n_kv_heads or m.n_heads} ffn={m.ffn_dim} "
@@ -39,64 +56,47 @@ def format_plan(job: JobPlan) -> str:
             f"{p.microbatches} per DP rank; {p.mixed_precision}; {fsdp}; "
             f"activation checkpoint {p.activation_checkpoint}"
         ),
-        "",
-        "stages:",
-        job.plan.table(),
-        "",
-        f"memory per rank (dp/tp coordinate 0; schedule {p.schedule}; AdamW):",
     ]
-    rows = [
-        (
-            "pp rank",
-            "stages",
-            "local params",
-            "params",
-            "gathered",
-            "grads",
-            "grad accum",
-            "optimizer",
-            "act/microbatch",
-            "act peak",
-            "recv buffers",
-            "bwd transient",
-            "total",
-        )
-    ]
+
+
+def _memory_table(job: JobPlan) -> str:
+    """Per pp rank: what its bytes are made of."""
+    rows: list[tuple] = [_MEMORY_COLUMNS]
     for r in job.ranks:
-        rows.append(
-            (
-                r.pp_rank,
-                ",".join(map(str, r.stages)),
-                f"{r.local_params:,}",
-                _size(r.param_bytes),
-                _size(r.gathered_bytes),
-                _size(r.grad_bytes),
-                _size(r.grad_accum_bytes),
-                _size(r.optim_bytes),
-                _size(sum(r.act_bytes_per_microbatch.values())),
-                _size(r.act_peak_bytes),
-                _size(r.buffer_bytes),
-                _size(r.transient_bytes),
-                _size(r.total_bytes),
-            )
+        sizes = (
+            r.param_bytes,
+            r.gathered_bytes,
+            r.grad_bytes,
+            r.grad_accum_bytes,
+            r.optim_bytes,
+            sum(r.act_bytes_per_microbatch.values()),
+            r.act_peak_bytes,
+            r.buffer_bytes,
+            r.transient_bytes,
+            r.total_bytes,
         )
-    lines += [_table(rows), "", "schedules (bubble = idle / compute time per rank; act peak = max over pp ranks):"]
-    rows = [("schedule", "bubble theory", "bubble simulated", "act peak", "microbatches held (rank 0 .. last)")]
+        rows.append((r.pp_rank, ",".join(map(str, r.stages)), f"{r.local_params:,}", *map(_size, sizes)))
+    return _table(rows)
+
+
+def _schedule_table(job: JobPlan) -> str:
+    """The configured schedule (*) and the comparable ones: bubble and activation peak."""
+    rows: list[tuple] = [
+        ("schedule", "bubble theory", "bubble simulated", "act peak", "microbatches held (rank 0 .. last)")
+    ]
     for s in job.schedules:
         theory = f"{s.bubble_theory:.4f}" if s.bubble_theory is not None else "-"
         held = " ".join(f"{x:.1f}" for x in s.peak_microbatches)
-        rows.append(
-            (
-                s.name + (" *" if s is job.schedules[0] else ""),
-                theory,
-                f"{s.bubble_simulated:.4f}",
-                _size(max(s.act_peak_bytes)),
-                held,
-            )
-        )
-    lines += [
-        _table(rows),
-        "",
-        f"largest per-rank peak: {_size(job.peak_bytes)} (* configured; dry run took {job.seconds:.1f} s)",
-    ]
+        name = s.name + (" *" if s is job.schedules[0] else "")
+        rows.append((name, theory, f"{s.bubble_simulated:.4f}", _size(max(s.act_peak_bytes)), held))
+    return _table(rows)
+
+
+def format_plan(job: JobPlan) -> str:
+    """The dry run as text: mesh, stage table, per-rank memory, schedules."""
+    lines = _header(job) + ["", "stages:", job.plan.table(), ""]
+    lines += [f"memory per rank (dp/tp coordinate 0; schedule {job.cfg.parallel.schedule}; AdamW):", _memory_table(job)]
+    lines += ["", "schedules (bubble = idle / compute time per rank; act peak = max over pp ranks):"]
+    lines += [_schedule_table(job), ""]
+    lines.append(f"largest per-rank peak: {_size(job.peak_bytes)} (* configured; dry run took {job.seconds:.1f} s)")
     return "\n".join(lines)

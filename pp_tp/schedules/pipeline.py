@@ -21,8 +21,10 @@ from torch.distributed.pipelining.schedules import RESHARD, UNSHARD
 from pp_tp._torch import Action, PipelineScheduleRuntime, load_csv_schedule
 from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
+from pp_tp.hf_checkpoint import save_pretrained
 from pp_tp.parallel.fsdp import grad_reduce_every, keeps_params_gathered
 from pp_tp.parallel.tensor_parallel import reduce_partial_grads
+from pp_tp.schedules.evaluate import evaluate
 from pp_tp.schedules.grad_reduce import ReducingStage
 from pp_tp.schedules.loss import TokenSumLoss, count_tokens
 from pp_tp.schedules.registry import get_schedule_spec, is_csv_schedule
@@ -192,12 +194,8 @@ class Pipeline:
 
     def save_pretrained(self, path: str, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None) -> None:
         """Writes the whole model to `path` in HF format (a collective; each pp rank writes its stages' files)."""
-        from pp_tp.hf_checkpoint import save_pretrained
-
         save_pretrained(self.model_parts, self.mesh, path, self.hf_config, self.checkpoint_dir, max_shard_size, dtype)
 
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Forward-only global mean token loss (validation); no gradient is created or changed."""
-        from pp_tp.schedules.evaluate import evaluate
-
         return evaluate(self, input_ids, labels)
