@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import pp_tp
 from pp_tp import run_report
@@ -45,6 +46,12 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
 
+def _one_kind(part: nn.Module) -> bool:
+    """Whether a part's parameters are all DTensors or all plain tensors: torch's foreach kernels refuse a mix
+    (TP without FSDP leaves the norms plain), so such a part steps per tensor."""
+    return len({isinstance(p, DTensor) for p in part.parameters()}) <= 1
+
+
 def build_optimizers(
     parts: list[nn.Module], t: TrainingConfig, device_type: str
 ) -> tuple[list[torch.optim.Optimizer], list[torch.optim.lr_scheduler.LambdaLR]]:
@@ -56,7 +63,7 @@ def build_optimizers(
             lr=t.lr,
             betas=(t.beta1, t.beta2),
             weight_decay=t.weight_decay,
-            foreach=device_type == "cuda",
+            foreach=device_type == "cuda" and _one_kind(part),
         )
         for part in parts
     ]

@@ -239,3 +239,25 @@ def test_torchrun_max_restarts_resumes_from_the_last_checkpoint_with_the_same_lo
         assert rows[base["step"]]["loss"] == pytest.approx(base["loss"], rel=1e-6, abs=0)
         assert rows[base["step"]]["grad_norm"] == pytest.approx(base["grad_norm"], rel=1e-6, abs=0)
     assert math.isfinite(rows[5]["loss"]) and rows[5]["loss"] < rows[1]["loss"]
+
+
+def foreach_case() -> list[bool]:
+    """TP without FSDP leaves the norms plain beside DTensor weights: the optimizers chosen for a CUDA run
+    (foreach where a part allows it) must step on such a part."""
+    import parity_utils as pu
+
+    import pp_tp
+    from pp_tp.config import TrainingConfig
+    from pp_tp.trainer import build_optimizers
+
+    pcfg = pu.pcfg_of(tp=2)
+    pipe = pp_tp.build_pipeline(pu.make_model(device="meta"), pu.mesh_for(pcfg), pcfg)
+    optimizers, _ = build_optimizers(pipe.model_parts, TrainingConfig(), "cuda")
+    pipe.step(*pu.batch(pu.TINY, 4, 8))
+    for opt in optimizers:
+        opt.step()
+    return [opt.defaults["foreach"] for opt in optimizers]
+
+
+def test_optimizers_for_cuda_step_on_parts_mixing_dtensors_and_plain_tensors(world):
+    assert world(2).run(foreach_case) == [[False], [False]]
