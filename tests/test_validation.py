@@ -11,15 +11,7 @@ import torch.nn.functional as F
 
 import pp_tp
 
-SCHEDULES = [
-    ("GPipe", 1),
-    ("1F1B", 1),
-    ("Interleaved1F1B", 2),
-    ("LoopedBFS", 2),
-    ("InterleavedZeroBubble", 2),
-    ("ZBVZeroBubble", 2),
-    ("DualPipeV", 2),
-]
+SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 
 
 def eval_case(kw: dict) -> dict:
@@ -31,8 +23,8 @@ def eval_case(kw: dict) -> dict:
     with torch.no_grad():
         want = F.cross_entropy(pu.logits_of(model, ids).flatten(0, 1), labels.flatten(), ignore_index=-100).item()
     out = {}
-    for name, spr in SCHEDULES:
-        pcfg = pu.pcfg_of(**kw, schedule=name, stages_per_rank=spr, microbatches=4)
+    for name in SCHEDULES:  # stages_per_rank from the schedule (1, or 2 for multi-stage ones)
+        pcfg = pu.pcfg_of(**kw, schedule=name, microbatches=4)
         pipe = pp_tp.build_pipeline(pu.make_model(device="meta"), pu.mesh_for(pcfg), pcfg, state_dict=state)
         dp = pipe.mesh["dp_shard"].get_local_rank()
         per = 8 // pcfg.dp
