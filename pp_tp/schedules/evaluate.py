@@ -12,12 +12,9 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from torch.distributed.pipelining.schedules import FORWARD, OVERLAP_F_B, RECV_F, RESHARD, SEND_F, UNSHARD
 
 from pp_tp._torch import Action, PipelineScheduleRuntime, local_tensor, tensor_version
-from pp_tp.errors import ConfigError
-from pp_tp.schedules.loss import count_tokens
 
 if TYPE_CHECKING:
     from pp_tp.schedules.pipeline import Pipeline
@@ -57,25 +54,11 @@ def _forward_only(schedule) -> Iterator[None]:
         schedule.pipeline_order_with_comms = order
 
 
-def _check_batch(pipe: Pipeline, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
-    m = pipe.pcfg.microbatches
-    if input_ids.shape != labels.shape or input_ids.dim() != 2 or input_ids.shape[0] % m:
-        raise ConfigError(
-            f"Pipeline.evaluate: input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} must both "
-            f"be [batch, seq] with batch a multiple of parallel.microbatches = {m}"
-        )
-
-
 @torch.no_grad()
 def evaluate(pipe: Pipeline, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The global mean token loss of this DP rank's batch share, forward only; every rank calls it."""
-    _check_batch(pipe, input_ids, labels)
-    batch, seq = input_ids.shape
-    if pipe._shape_key != (batch // pipe.pcfg.microbatches, seq):
-        pipe._build_schedule(batch // pipe.pcfg.microbatches, seq)
+    input_ids, labels, n_tokens = pipe.prepare_batch("Pipeline.evaluate", input_ids, labels)
     before = _grad_state(pipe)
-    input_ids, labels = input_ids.to(pipe.device), labels.to(pipe.device)
-    n_tokens = count_tokens(labels, pipe._dp_groups)
     scale = pipe._loss.scale
     pipe._loss.scale = 1.0 / max(n_tokens, 1)  # nothing flows back, so no FSDP mean to undo
     losses: list[torch.Tensor] = []
@@ -94,9 +77,4 @@ def evaluate(pipe: Pipeline, input_ids: torch.Tensor, labels: torch.Tensor) -> t
     changed = [k for k, v in _grad_state(pipe).items() if before[k] != v]
     if changed:
         raise AssertionError(f"Pipeline.evaluate changed the gradient of {changed[0]}; it must be forward-only")
-    total = torch.zeros(1, dtype=torch.float64, device=pipe.device)
-    if losses:
-        total += torch.stack([x.detach() for x in losses]).double().sum()
-    for g in [pipe._pp_group] + pipe._dp_groups:
-        dist.all_reduce(total, group=g)
-    return total[0].float()
+    return pipe.global_loss(losses)

@@ -154,24 +154,41 @@ class Pipeline:
         self.schedule = schedule
         self._shape_key = (microbatch, seq)
 
-    def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """One forward/backward over this DP rank's batch; returns the global mean token loss on every rank."""
+    def prepare_batch(
+        self, where: str, input_ids: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Checks this DP rank's batch, (re)plans the stages for its shape, moves it to the device and counts
+        the global non-ignored tokens; shared by `step` and `evaluate`."""
         if input_ids.shape != labels.shape or input_ids.dim() != 2:
             raise ConfigError(
-                f"Pipeline.step: input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} "
+                f"{where}: input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} "
                 "must both be [batch, seq]"
             )
         batch, seq = input_ids.shape
         m = self.pcfg.microbatches
         if batch % m:
             raise ConfigError(
-                f"Pipeline.step: local batch {batch} is not divisible by parallel.microbatches = {m}; "
+                f"{where}: local batch {batch} is not divisible by parallel.microbatches = {m}; "
                 f"use a batch that is a multiple of {m}"
             )
         if self._shape_key != (batch // m, seq):
             self._build_schedule(batch // m, seq)
         input_ids, labels = input_ids.to(self.device), labels.to(self.device)
-        n_tokens = count_tokens(labels, self._dp_groups)
+        return input_ids, labels, count_tokens(labels, self._dp_groups)
+
+    def global_loss(self, losses: list[torch.Tensor], divide: float = 1.0) -> torch.Tensor:
+        """The sum of the last stage's microbatch losses (over `divide`), summed over pp and DP: every rank gets
+        the global loss. Summed on the device: no host sync per microbatch."""
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        if losses:
+            total += torch.stack([x.detach() for x in losses]).double().sum() / divide
+        for g in [self._pp_group] + self._dp_groups:
+            dist.all_reduce(total, group=g)
+        return total[0].float()
+
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One forward/backward over this DP rank's batch; returns the global mean token loss on every rank."""
+        input_ids, labels, n_tokens = self.prepare_batch("Pipeline.step", input_ids, labels)
         self._loss.scale = self._grad_factor / max(n_tokens, 1)
         losses: list[torch.Tensor] = []
         args = (input_ids,) if self.has_first_stage else ()
@@ -184,13 +201,7 @@ class Pipeline:
         reduce_partial_grads(self.model_parts)  # once per step, after the last microbatch
         if self.tied is not None:
             self.tied.sync(self.model_parts)
-        # Only the last stage holds losses; summing over pp and DP gives every rank the global loss.
-        total = torch.zeros(1, dtype=torch.float64, device=self.device)
-        if losses:  # summed on the device: no host sync per microbatch
-            total += torch.stack([x.detach() for x in losses]).double().sum() / self._grad_factor
-        for g in [self._pp_group] + self._dp_groups:
-            dist.all_reduce(total, group=g)
-        return total[0].float()
+        return self.global_loss(losses, self._grad_factor)
 
     def save_pretrained(self, path: str, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None) -> None:
         """Writes the whole model to `path` in HF format (a collective; each pp rank writes its stages' files)."""
