@@ -8,16 +8,19 @@
 pp = 2 gloo ranks on CPU, one thread each. For each (model, schedule, m) "ours" is `pp_tp.build_pipeline`
 + `Pipeline.step` and "raw" the same split written directly on `PipelineStage` + the torch schedule class
 (bench/raw_pipeline.py), both over the same weights and global batch. Every round times one step of
-each variant between barriers; within a round ours and raw alternate which runs first, so a noisy
-neighbour's load hits both sides equally. ours/raw is the median of per-round ratios, with the
-smallest and largest pair beside it. CPU ratios sum each rank's process time over the step (a waiting
-rank sleeps, so CPU time is the work done). "others' CPU %" is the share of all cores that other
-processes used during the step (/proc/stat).
+each variant between barriers, with every variant's gradients freed first (same memory either way).
+Rounds come in twos, ours first then raw first: on this machine the step that runs second in a round is
+1-2 % slower (measured), so the ratio of a round pair is sqrt(ratio1 * ratio2), which cancels that order
+effect exactly. ours/raw is the median of those pair ratios, smallest and largest beside it; the "per
+path" table pools every m of a (model, schedule). CPU ratios sum each rank's process time over the step
+(a waiting rank sleeps, so CPU time is the work done). "others' CPU %" is the share of all cores that
+other processes used during the step (/proc/stat).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import time
@@ -78,9 +81,11 @@ def run_variant(variant: tuple, a: argparse.Namespace) -> tuple[float, float, fl
     if variant not in _BUILT:
         _BUILT[variant] = _build(variant, a)
         _BUILT[variant][0]()  # warm-up: shape inference, allocator, first touch
-    step, params = _BUILT[variant]
-    for p in params:
-        p.grad = None
+    step = _BUILT[variant][0]
+    for key, built in _BUILT.items():
+        if key != "mesh":
+            for p in built[1]:
+                p.grad = None
     dist.barrier()
     wall, cpu, busy = time.perf_counter(), time.process_time(), _machine_busy_s()
     step()
@@ -95,7 +100,13 @@ def release(keys: list[tuple]) -> None:
 
 
 def _pairs(res: dict, case: tuple, i: int) -> list[float]:
-    return [o[i] / r[i] for o, r in zip(res[case + ("ours",)], res[case + ("raw",)])]
+    """One ratio per round pair (ours first, then raw first): the geometric mean cancels the order effect."""
+    ratios = [o[i] / r[i] for o, r in zip(res[case + ("ours",)], res[case + ("raw",)])]
+    return [math.sqrt(a * b) for a, b in zip(ratios[0::2], ratios[1::2])]
+
+
+def _spread(ratios: list[float]) -> str:
+    return f"{statistics.median(ratios):.3f} [{min(ratios):.3f}-{max(ratios):.3f}]"
 
 
 def _row(case: tuple, res: dict, others: dict) -> tuple:
@@ -106,8 +117,8 @@ def _row(case: tuple, res: dict, others: dict) -> tuple:
         case[2],
         f"{statistics.median(r[0] for r in res[case + ('ours',)]):.3f}",
         f"{statistics.median(r[0] for r in res[case + ('raw',)]):.3f}",
-        f"{statistics.median(wall):.3f} [{min(wall):.3f}-{max(wall):.3f}]",
-        f"{statistics.median(cpu):.3f} [{min(cpu):.3f}-{max(cpu):.3f}]",
+        _spread(wall),
+        _spread(cpu),
         "/".join(f"{100 * statistics.median(others[case + (k,)]):.0f}" for k in ("ours", "raw")),
     )
 
@@ -117,14 +128,26 @@ def measure(world: World, cases: list[tuple], a: argparse.Namespace) -> list[tup
     res: dict[tuple, list[tuple[float, float]]] = {c + (k,): [] for c in cases for k in ("ours", "raw")}
     others: dict[tuple, list[float]] = {k: [] for k in res}
     for case in cases:  # builds stay alive only for the case being measured (memory)
-        for r in range(a.reps):
+        for r in range(a.rounds):
             for kind in ("ours", "raw") if r % 2 == 0 else ("raw", "ours"):
                 out = world.run(run_variant, case + (kind,), a)
                 wall, cpu = out[0][0], sum(x[1] for x in out)
                 res[case + (kind,)].append((wall, cpu))
                 others[case + (kind,)].append(max(0.0, out[0][2] - cpu) / (wall * os.cpu_count()))
         world.run(release, [case + (k,) for k in ("ours", "raw")])
-    return [_row(c, res, others) for c in cases]
+    rows = [_row(c, res, others) for c in cases]
+    paths = sorted({c[:2] for c in cases}, key=lambda p: [c[:2] for c in cases].index(p))
+    pooled = [
+        (
+            *p,
+            len(ms),
+            _spread([x for c in ms for x in _pairs(res, c, 0)]),
+            _spread([x for c in ms for x in _pairs(res, c, 1)]),
+        )
+        for p in paths
+        for ms in [[c for c in cases if c[:2] == p]]
+    ]
+    return rows, pooled
 
 
 def main() -> None:
@@ -132,7 +155,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["ref", "hf"], choices=["ref", "hf"])
     parser.add_argument("--schedules", nargs="+", default=SCHEDULES)
     parser.add_argument("--m", type=int, nargs="+", default=[4, 8, 16], help="microbatch counts")
-    parser.add_argument("--reps", type=int, default=3, help="paired rounds per case")
+    parser.add_argument("--reps", type=int, default=4, help="round pairs per case (each: ours first, then raw first)")
     parser.add_argument("--rows", type=int, default=16, help="global batch rows")
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--dim", type=int, default=256)
@@ -142,20 +165,23 @@ def main() -> None:
     a = parser.parse_args()
     if a.quick:
         a.reps, a.m = 1, [8]
+    a.rounds = 2 * a.reps
     cases = [(model, s, m) for model in a.models for s in a.schedules for m in a.m]
     load, start = os.getloadavg()[0], time.perf_counter()
     world = World(PP)
     try:
-        rows = measure(world, cases, a)
+        rows, pooled = measure(world, cases, a)
     finally:
         world.close()
     print(
         f"dim={a.dim} layers={a.layers} vocab={a.vocab}; global batch {a.rows}x{a.seq}; pp={PP}, fp32, 1 thread per "
-        f"rank; {a.reps} paired rounds per case; load average before/after: {load:.1f}/{os.getloadavg()[0]:.1f} on "
+        f"rank; {a.reps} round pairs per case; load average before/after: {load:.1f}/{os.getloadavg()[0]:.1f} on "
         f"{os.cpu_count()} cores; {time.perf_counter() - start:.0f} s"
     )
     header = ("model", "schedule", "v", "m", "ours s", "raw s", "ours/raw wall [min-max]", "ours/raw CPU [min-max]")
     print(table([header + ("others' CPU % (ours/raw)",)] + rows))
+    print("per path, every m pooled:")
+    print(table([("model", "schedule", "cases", "ours/raw wall [min-max]", "ours/raw CPU [min-max]")] + pooled))
 
 
 if __name__ == "__main__":
