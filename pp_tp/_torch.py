@@ -37,6 +37,13 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten  # noqa: F401
 
 
+def foreach_mul_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
+    """Scales many tensors in one call: clipping scales the local shards of every gradient at once (DTensor
+    dispatch would cost a call per mesh and placements). Public replacement: torch.nn.utils.clip_grads_with_norm_,
+    which takes parameters and reads their (DTensor) .grad."""
+    torch._foreach_mul_(tensors, factor)
+
+
 def load_csv_schedule(schedule: PipelineScheduleRuntime, path: str) -> None:
     """Reads a torch action CSV into a runtime schedule. Public replacement: none (torch's own tests use it)."""
     schedule._load_csv(path)

@@ -2,15 +2,17 @@
 
 torch.nn.utils.get_total_norm handles DTensors of one mesh and placement; a pipeline rank holds
 DTensors of several (FSDP on dp, FSDP x TP on dp and tp) and plain tensors, and the pp dimension is
-not a DTensor dimension at all. So: one norm per (mesh, placements) group, made whole through its
-DTensor placements (replicated dims are not double counted), combined locally, then summed (or
-maxed) across pp ranks, whose parameters are disjoint.
+not a DTensor dimension at all. Going through DTensor per group also costs one collective per group
+plus DTensor's per-op dispatch (bench/trainer_loop.py: clipping was 5 % of a debug_cpu step). So the
+norm is taken on local shards, each gradient value counted by exactly one rank of the mesh, and the
+partial sums are reduced in one all-reduce: pp stages hold disjoint values, a dimension a gradient is
+sharded over holds disjoint pieces, and over a dimension it is replicated on, only the rank at
+coordinate 0 counts it. Scaling is one foreach multiply over the local shards.
 """
 
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from collections.abc import Iterable
 
 import torch
@@ -19,41 +21,58 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from pp_tp._torch import foreach_mul_
 
-def _grouped(model_parts: Iterable[nn.Module], counted: bool = False) -> list[list[nn.Parameter]]:
-    """Parameters that have gradients, grouped by the gradient's (mesh, placements); plain ones by device.
 
-    `counted`: only the copy of a tied weight held under its canonical name (a stage's `checkpoint_keys`),
-    so the norm counts a tied weight once however many stages hold it."""
-    groups: dict[object, list[nn.Parameter]] = defaultdict(list)
+def _counts_here(grad: torch.Tensor, coords: dict[str, int]) -> bool:
+    """Whether this rank counts its local values of `grad`: it is at coordinate 0 of every non-pp mesh dimension
+    the gradient is replicated over (a plain gradient is replicated over all of them)."""
+    sharded = set()
+    if isinstance(grad, DTensor):
+        for name, placement in zip(grad.device_mesh.mesh_dim_names or (), grad.placements):
+            if name not in coords:  # e.g. a flattened dimension: which mesh ranks it spans is not known here
+                raise RuntimeError(f"a gradient lives on mesh dim {name!r}, not one of {sorted(coords)}")
+            if placement.is_partial():  # Pipeline.step reduces these; a pending sum has no local norm
+                raise RuntimeError(f"a gradient is still Partial on mesh dim {name!r}; reduce it before clipping")
+            if not placement.is_replicate():  # Shard, and FSDP x TP's _StridedShard (not a Shard subclass)
+                sharded.add(name)
+    return all(c == 0 for name, c in coords.items() if name not in sharded)
+
+
+def _local_grads(model_parts: Iterable[nn.Module], mesh: DeviceMesh) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Every local gradient shard, and the ones this rank counts in the norm. A tied weight is counted once, under
+    its canonical name (a stage's `checkpoint_keys`), however many stages hold a copy."""
+    coords = {name: mesh.get_local_rank(name) for name in mesh.mesh_dim_names if name != "pp"}
+    every, counted = [], []
     for part in model_parts:
         keys = getattr(part, "checkpoint_keys", {})
         for name, p in part.named_parameters():
             g = p.grad
-            if g is not None and not (counted and keys.get(name, name) != name):
-                groups[(g.device_mesh, g.placements) if isinstance(g, DTensor) else g.device].append(p)
-    return list(groups.values())
+            if g is None:
+                continue
+            local = g.to_local() if isinstance(g, DTensor) else g
+            every.append(local)
+            if keys.get(name, name) == name and _counts_here(g, coords):
+                counted.append(local)
+    return every, counted
 
 
-def _group_norm(params: list[nn.Parameter], norm_type: float) -> torch.Tensor:
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
-    return (norm.full_tensor() if isinstance(norm, DTensor) else norm).float()
-
-
-def _total_norm(groups: list[list[nn.Parameter]], mesh: DeviceMesh, norm_type: float) -> torch.Tensor:
-    device = groups[0][0].grad.device if groups else torch.device(mesh.device_type)
-    norms = torch.stack([_group_norm(g, norm_type).to(device) for g in groups] or [torch.zeros((), device=device)])
+def _total_norm(counted: list[torch.Tensor], mesh: DeviceMesh, norm_type: float) -> torch.Tensor:
+    device = counted[0].device if counted else torch.device(mesh.device_type)
+    norm = torch.nn.utils.get_total_norm(counted, norm_type).float() if counted else torch.zeros((), device=device)
     inf = math.isinf(norm_type)
-    total = norms.max() if inf else norms.pow(norm_type).sum()
-    if mesh["pp"].size() > 1:
-        dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=mesh.get_group("pp"))
+    total = norm if inf else norm.pow(norm_type)
+    # A sum (or max) over the whole mesh: one all-reduce when the mesh is the world, else one per dimension.
+    whole = mesh.size() == dist.get_world_size()
+    for group in [None] if whole else [mesh.get_group(n) for n in mesh.mesh_dim_names if mesh[n].size() > 1]:
+        dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
     return total if inf else total.pow(1.0 / norm_type)
 
 
 @torch.no_grad()
 def total_grad_norm(model_parts: Iterable[nn.Module], mesh: DeviceMesh, norm_type: float = 2.0) -> torch.Tensor:
     """The norm of all gradients of the whole model, as a single-process run would compute it, on every rank."""
-    return _total_norm(_grouped(model_parts, counted=True), mesh, norm_type)
+    return _total_norm(_local_grads(model_parts, mesh)[1], mesh, norm_type)
 
 
 @torch.no_grad()
@@ -62,9 +81,11 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Scales all local gradients so the whole model's gradient norm is at most `max_norm`; returns that norm.
 
-    Every rank of the mesh must call it (it all-reduces over pp and gathers DTensor norms over tp/dp).
+    Every rank of the mesh must call it (it all-reduces over the mesh). Same factor as torch's
+    clip_grads_with_norm_: max_norm / (norm + 1e-6), at most 1.
     """
-    total = _total_norm(_grouped(model_parts, counted=True), mesh, norm_type)
-    for params in _grouped(model_parts):  # one call per group: foreach kernels do not mix DTensors of different meshes
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    every, counted = _local_grads(model_parts, mesh)
+    total = _total_norm(counted, mesh, norm_type)
+    if every:
+        foreach_mul_(every, (max_norm / (total + 1e-6)).clamp(max=1.0).to(every[0].device))
     return total
