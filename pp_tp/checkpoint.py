@@ -74,6 +74,20 @@ def latest_checkpoint(folder: str) -> str | None:
     return os.path.join(folder, f"step-{steps[-1]}") if steps else None
 
 
+_PER_GROUP = ("base_lrs", "_last_lr")  # the LR scheduler's per-param-group lists
+
+
+def _one_group(state: dict) -> dict:
+    """The schedulers step together and every param group shares one LR, so one group's state stands for all: a
+    part's group count follows its layout (DTensor and plain parameters, trainer.build_optimizers), the checkpoint's
+    must not."""
+    return {k: v[:1] if k in _PER_GROUP else v for k, v in state.items()}
+
+
+def _per_group(state: dict, groups: int) -> dict:
+    return {k: v[:1] * groups if k in _PER_GROUP else v for k, v in state.items()}
+
+
 class Checkpointer:
     """Saves every `checkpoint.interval` steps and at the end; resumes from the newest complete checkpoint."""
 
@@ -94,11 +108,10 @@ class Checkpointer:
         for part, opt in zip(self.parts, self.optimizers):
             model.update(get_model_state_dict(part))
             optim.update(get_optimizer_state_dict(part, opt, options=_OPTIM))
-        # The schedulers step together, so one state stands for all of them.
         return {
             "model": model,
             "optim": optim,
-            "lr_scheduler": self.schedulers[0].state_dict(),
+            "lr_scheduler": _one_group(self.schedulers[0].state_dict()),
             "data": self.loader.state_dict(),
             "rng": _rng_blob(),
             "step": step,
@@ -117,7 +130,7 @@ class Checkpointer:
             set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
             set_optimizer_state_dict(part, opt, state["optim"], options=_OPTIM)
         for sched in self.schedulers:
-            sched.load_state_dict(state["lr_scheduler"])
+            sched.load_state_dict(_per_group(state["lr_scheduler"], len(sched.optimizer.param_groups)))
         self.loader.load_state_dict(state["data"])
         _restore_rng(state["rng"])
         return int(state["step"])

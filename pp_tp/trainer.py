@@ -46,24 +46,26 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
 
-def _one_kind(part: nn.Module) -> bool:
-    """Whether a part's parameters are all DTensors or all plain tensors: torch's foreach kernels refuse a mix
-    (TP without FSDP leaves the norms plain), so such a part steps per tensor."""
-    return len({isinstance(p, DTensor) for p in part.parameters()}) <= 1
+def _param_groups(part: nn.Module) -> list[dict]:
+    """A part's parameters as one group per kind, DTensor or plain: torch's foreach kernels refuse a mix (TP
+    without FSDP leaves the norms plain), and AdamW runs its foreach kernels once per group."""
+    kinds: dict[bool, list[nn.Parameter]] = {}
+    for p in part.parameters():
+        kinds.setdefault(isinstance(p, DTensor), []).append(p)
+    return [{"params": params} for params in kinds.values()]
 
 
 def build_optimizers(
-    parts: list[nn.Module], t: TrainingConfig, device_type: str
+    parts: list[nn.Module], t: TrainingConfig
 ) -> tuple[list[torch.optim.Optimizer], list[torch.optim.lr_scheduler.LambdaLR]]:
     """One AdamW and LR schedule per model part: torch's optimizer state-dict helpers map a part's own
-    parameters to FQNs, so per-part optimizers give checkpoints keyed by the full model's names."""
+    parameters to FQNs, so per-part optimizers give checkpoints keyed by the full model's names.
+
+    foreach on every device, CPU included: one kernel call per group instead of ~10 per tensor, which is
+    what a DTensor's per-call dispatch makes expensive (bench/trainer_loop.py)."""
     optimizers = [
         torch.optim.AdamW(
-            part.parameters(),
-            lr=t.lr,
-            betas=(t.beta1, t.beta2),
-            weight_decay=t.weight_decay,
-            foreach=device_type == "cuda" and _one_kind(part),
+            _param_groups(part), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay, foreach=True
         )
         for part in parts
     ]
@@ -146,7 +148,7 @@ def train(cfg: JobConfig, before_step: Callable[[int], None] | None = None) -> l
     pipe = pp_tp.build_pipeline(model, mesh, cfg.parallel, seed=cfg.model.seed, seq_len=t.seq_len, checkpoint=hf_dir)
     pipe.checkpoint_dir = cfg.model.hf_path or None  # save_pretrained keeps its generation_config.json
     loader = ShardedBatches(source, t.batch_size, *dp_coords(mesh), seed=t.seed)
-    optimizers, schedulers = build_optimizers(pipe.model_parts, t, mesh.device_type)
+    optimizers, schedulers = build_optimizers(pipe.model_parts, t)
     ckpt = Checkpointer(cfg.checkpoint, pipe.model_parts, optimizers, schedulers, loader)
     step = _resume(ckpt, resume, cfg)
     metrics = _metrics(cfg, dims, mesh)

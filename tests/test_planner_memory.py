@@ -104,7 +104,7 @@ def measure_case(d: dict) -> dict:
     torch.manual_seed(0)
     mesh = pp_tp.build_mesh(p)
     pipe = pp_tp.build_pipeline(build_model(cfg.model, "meta"), mesh, p, seq_len=cfg.training.seq_len)
-    optimizers, _ = build_optimizers(pipe.model_parts, cfg.training, "cpu")
+    optimizers, _ = build_optimizers(pipe.model_parts, cfg.training)
     local = cfg.training.batch_size // p.dp
     ids = torch.randint(0, cfg.model.vocab_size, (local, cfg.training.seq_len))
     mode = LiveStorageBytes()

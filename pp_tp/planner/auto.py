@@ -48,7 +48,7 @@ def choose(rank: RankMemory, actions: list, pcfg: ParallelConfig) -> tuple[str |
     for r, g in options(pcfg, reshard, reduce):
         trial = dataclasses.replace(pcfg, fsdp_reshard_after_forward=r, fsdp_grad_reduce=g)
         walk = _walk(rank, actions, trial)
-        scored.append((static + walk.peak, comm_bytes(rank, walk), (r, g), walk))
+        scored.append((rank.peak(walk.peak), comm_bytes(rank, walk), (r, g), walk))
     fitting = [x for x in scored if x[0] <= pcfg.memory_budget_gib * GIB]
     if fitting:
         return min(fitting, key=lambda x: (x[1], x[0]))[2]
@@ -58,6 +58,7 @@ def choose(rank: RankMemory, actions: list, pcfg: ParallelConfig) -> tuple[str |
         "activations": walk.act,
         "gathered parameters": walk.gathered,
         "unsharded gradients": walk.grads,
+        "the optimizer step's temporary": rank.optim_step_bytes,
     }
     what, size = max(parts.items(), key=lambda kv: kv[1])
     raise ConfigError(

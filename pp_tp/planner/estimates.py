@@ -29,7 +29,7 @@ class ScheduleEstimate:
 
     def peak_bytes(self, ranks: list[RankMemory]) -> list[int]:
         """Per pp rank: everything held at the rank's peak under this schedule."""
-        return [r.fixed_bytes + w.peak for r, w in zip(ranks, self.walks)]
+        return [r.peak(w.peak) for r, w in zip(ranks, self.walks)]
 
 
 def candidate_schedules(pcfg: ParallelConfig) -> list[str]:

@@ -78,7 +78,6 @@ class LayoutEvaluator:
 
     def _choose(self, rank: RankMemory, actions: list, p: ParallelConfig) -> tuple | None:
         """auto.choose's pick for this rank, or None when no pair fits the budget."""
-        static = rank.fixed_bytes
         pairs = options(p, per_rank(p.fsdp_reshard_after_forward, p.pp)[rank.pp_rank],
                         per_rank(p.fsdp_grad_reduce, p.pp)[rank.pp_rank])  # fmt: skip
         ranked = sorted((self._moved(rank, actions, p, pair), i, pair) for i, pair in enumerate(pairs))
@@ -86,7 +85,7 @@ class LayoutEvaluator:
         for moved, _, pair in ranked:
             if best is not None and moved > best[0]:
                 break
-            peak = static + self._walk(rank, actions, p, pair).peak
+            peak = rank.peak(self._walk(rank, actions, p, pair).peak)
             if peak <= p.memory_budget_gib * GIB and (best is None or peak < best[1]):
                 best = (moved, peak, pair)
         return best[2] if best else None

@@ -42,16 +42,23 @@ class RankMemory:
     act_peak_bytes: int = 0  # the coming-and-going parts at the rank's peak moment (walk_step)
     buffer_bytes: int = 0  # torch's PipelineStage receive buffers: one per microbatch, kept across steps
     transient_bytes: int = 0  # gradients in flight during one microbatch's backward (the largest stage's)
+    # foreach AdamW's temporary at the optimizer step (sqrt of exp_avg_sq): fp32, the size of a part's parameters
+    optim_step_bytes: int = 0
 
     @property
     def fixed_bytes(self) -> int:
         """What does not come and go with the step walk: sharded state, receive buffers, backward transient."""
         return self.param_bytes + self.grad_bytes + self.optim_bytes + self.buffer_bytes + self.transient_bytes
 
+    def peak(self, walk_peak: int) -> int:
+        """The rank's peak given its step walk's: the fixed bytes plus the larger of the walk's coming-and-going
+        bytes and the optimizer step's temporary (activations are gone by then)."""
+        return self.fixed_bytes + max(walk_peak, self.optim_step_bytes)
+
     @property
     def total_bytes(self) -> int:
         """Everything the rank holds at its peak, to compare against the device's memory."""
-        return self.fixed_bytes + self.gathered_bytes + self.grad_accum_bytes + self.act_peak_bytes
+        return self.peak(self.gathered_bytes + self.grad_accum_bytes + self.act_peak_bytes)
 
     def dominant(self) -> tuple[str, int]:
         """The largest part of total_bytes: (name, bytes)."""
@@ -64,6 +71,7 @@ class RankMemory:
             "activations": self.act_peak_bytes,
             "pipeline receive buffers": self.buffer_bytes,
             "backward transients": self.transient_bytes,
+            "optimizer step temporary": self.optim_step_bytes,
         }
         return max(parts.items(), key=lambda kv: kv[1])
 
@@ -182,6 +190,7 @@ def rank_memory(pp_rank: int, stages: list[int], costs: list[StageCost], pcfg: P
         policy={s: stage_policy(pcfg) for s in stages},
         buffer_bytes=pcfg.microbatches * sum(c.buffer_bytes for c in costs) if pcfg.pp > 1 else 0,
         transient_bytes=max(c.transient_bytes for c in costs),
+        optim_step_bytes=max(c.local for c in costs) * FP32,
     )
 
 

@@ -33,6 +33,7 @@ _MEMORY_COLUMNS = (
     "act peak",
     "recv buffers",
     "bwd transient",
+    "optim step tmp",
     "total",
 )
 
@@ -73,6 +74,7 @@ def _memory_table(job: JobPlan) -> str:
             r.act_peak_bytes,
             r.buffer_bytes,
             r.transient_bytes,
+            r.optim_step_bytes,
             r.total_bytes,
         )
         rows.append((r.pp_rank, ",".join(map(str, r.stages)), f"{r.local_params:,}", *map(_size, sizes)))
