@@ -1,18 +1,19 @@
 """Pipeline efficiency: ours against raw torch pipelining, per model, schedule and m, paired and interleaved.
 
-    python bench/pipeline_efficiency.py                       # both models, 5 schedules, m = 4 8 16, 3 rounds
-    python bench/pipeline_efficiency.py --models hf --schedules 1F1B --m 16 --reps 7 --rows 32 --dim 384
+    python bench/pipeline_efficiency.py                       # both models, 5 schedules, m = 4 8 16, 4 round pairs
+    python bench/pipeline_efficiency.py --models hf --schedules 1F1B --m 16 --reps 8 --rows 32 --dim 384
                                                               # issue 16's Llama, 1F1B, m = 16
-    python bench/pipeline_efficiency.py --quick               # 1 round, m = 8 only: a smoke run
+    python bench/pipeline_efficiency.py --quick               # 1 round pair, m = 8 only: a smoke run
 
 pp = 2 gloo ranks on CPU, one thread each. For each (model, schedule, m) "ours" is `pp_tp.build_pipeline`
 + `Pipeline.step` and "raw" the same split written directly on `PipelineStage` + the torch schedule class
 (bench/raw_pipeline.py), both over the same weights and global batch. Every round times one step of
 each variant between barriers, with every variant's gradients freed first (same memory either way).
-Rounds come in twos, ours first then raw first: on this machine the step that runs second in a round is
-1-2 % slower (measured), so the ratio of a round pair is sqrt(ratio1 * ratio2), which cancels that order
-effect exactly. ours/raw is the median of those pair ratios, smallest and largest beside it; the "per
-path" table pools every m of a (model, schedule). CPU ratios sum each rank's process time over the step
+Rounds come in twos, ours first then raw first: here a step runs about 1 % slower second in a round than
+first (16 rounds of ref 1F1B m=8 and hf 1F1B m=4: median ratio 0.990-0.996 with ours first, 1.012-1.017 with
+raw first), so the ratio of a round pair is sqrt(ratio1 * ratio2), which cancels that order effect.
+ours/raw is the median of those pair ratios, smallest and largest beside
+it; the "per path" table pools every m of a (model, schedule). CPU ratios sum each rank's process time over the step
 (a waiting rank sleeps, so CPU time is the work done). "others' CPU %" is the share of all cores that
 other processes used during the step (/proc/stat).
 """
@@ -161,7 +162,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=1024)
-    parser.add_argument("--quick", action="store_true", help="1 round at m = 8: a smoke run")
+    parser.add_argument("--quick", action="store_true", help="1 round pair at m = 8: a smoke run")
     a = parser.parse_args()
     if a.quick:
         a.reps, a.m = 1, [8]
