@@ -2,6 +2,8 @@
 
     python bench/trainer_loop.py                                   # debug_cpu.toml, 4 ranks, 40 steps
     python bench/trainer_loop.py --steps 60 --skip 10
+    python bench/trainer_loop.py --steps 40 --skip 10 parallel.tp=1 parallel.dp_shard=2 parallel.float8=true \
+        parallel.float8_fsdp_all_gather=true                     # FSDP with float8 all-gather instead of TP
 
 Runs `pp_tp.trainer.train` on the config's ranks (gloo, one thread each; checkpoints off, metrics to a
 temporary file) with timers around Pipeline.step, the loader, zero_grad, clipping, the optimizer and
@@ -87,9 +89,11 @@ def main() -> None:
     parser.add_argument("--config", default="toml_configs/debug_cpu.toml")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--skip", type=int, default=5, help="warm-up steps left out")
+    parser.add_argument("overrides", nargs="*", help="section.key=value, as for pp-tp train")
     a = parser.parse_args()
     tmp = tempfile.mkdtemp()
     overrides = [
+        *a.overrides,
         f"training.steps={a.steps}",
         "checkpoint.enable=false",
         f'training.metrics_file="{os.path.join(tmp, "metrics.jsonl")}"',
@@ -113,7 +117,7 @@ def main() -> None:
             + (f"{100 * (1 - sum(share)):.1f}%", f"{100 * outside:.1f}%")
         )
     print(
-        f"{a.config}, {world_size} ranks, {a.steps} steps (first {a.skip} left out), medians of per-step shares; "
+        f"{' '.join([a.config, *a.overrides])}, {world_size} ranks, {a.steps} steps (first {a.skip} left out), medians of per-step shares; "
         f"load average before/after: {load:.1f}/{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
     )
     print(table(rows))
