@@ -117,8 +117,9 @@ def main() -> None:
             + (f"{100 * (1 - sum(share)):.1f}%", f"{100 * outside:.1f}%")
         )
     print(
-        f"{' '.join([a.config, *a.overrides])}, {world_size} ranks, {a.steps} steps (first {a.skip} left out), medians of per-step shares; "
-        f"load average before/after: {load:.1f}/{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+        f"{' '.join([a.config, *a.overrides])}, {world_size} ranks, {a.steps} steps (first {a.skip} left out), "
+        f"medians of per-step shares; load average before/after: {load:.1f}/{os.getloadavg()[0]:.1f} on "
+        f"{os.cpu_count()} cores"
     )
     print(table(rows))
 
