@@ -13,10 +13,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from pp_tp.config import ParallelConfig, resolve_parallel
 from pp_tp.hf_checkpoint import open_checked
 from pp_tp.parallel.fsdp import for_pp_rank, grad_factor
-from pp_tp.preflight import check_seq_len, preflight
+from pp_tp.preflight import Preflight, check_seq_len, preflight
 from pp_tp.schedules.pipeline import BoundaryShapes, Pipeline
 from pp_tp.stages.build import build_local_stages
+from pp_tp.stages.stage_module import StageModule
 from pp_tp.stages.tied import TiedWeights, tied_names
+from pp_tp.verdict import agreed
 
 
 def build_pipeline(
@@ -32,13 +34,11 @@ def build_pipeline(
     """This rank's share of `model` as pipeline stages with TP and FSDP, and the schedule that runs them.
 
     `model` is the full model on the meta device (values from `seed`, or `state_dict` keyed by FQN) or
-    holding weights (they are used). `checkpoint`: an HF model directory whose safetensors fill the stages,
-    each rank reading only its own slices. Every check runs before any collective.
+    holding weights (they are used, persistent buffers included). `checkpoint`: an HF model directory whose
+    safetensors fill the stages, each rank reading only its own slices. Every check and the local build run before
+    any collective; then one exchange makes every rank refuse together (the same line) or go on together.
     """
     pcfg = for_pp_rank(resolve_parallel(pcfg, dist.get_world_size()), mesh.get_local_rank("pp"))
-    checked = preflight(model, pcfg, mesh.device_type, seq_len)
-    layout, d, plan = checked.layout, checked.dims, checked.plan
-    source = open_checked(checkpoint, model) if checkpoint else None  # bad keys fail here, before any collective
     device = (
         torch.device(mesh.device_type, torch.cuda.current_device())
         if mesh.device_type == "cuda"
@@ -47,7 +47,18 @@ def build_pipeline(
     pp_rank = mesh.get_local_rank("pp")
     tied = tied_names(model)  # before the stages are materialized, which unties the shared modules
     casts: Counter = Counter()
-    stages = build_local_stages(model, layout, plan, pp_rank, mesh, pcfg, device, seed, state_dict, source, casts)
+
+    def local_build() -> tuple[Preflight, list[StageModule]]:
+        """Every check and this rank's stages, with no communication; ranks agree on the outcome below."""
+        checked = preflight(model, pcfg, mesh.device_type, seq_len)
+        source = open_checked(checkpoint, model) if checkpoint else None
+        stages = build_local_stages(
+            model, checked.layout, checked.plan, pp_rank, mesh, pcfg, device, seed, state_dict, source, casts
+        )
+        return checked, stages
+
+    checked, stages = agreed(local_build)  # one verdict: every rank refuses together, or none does
+    d, plan = checked.dims, checked.plan
     act_dtype = torch.bfloat16 if pcfg.mixed_precision == "bf16" else torch.float32
     vocab_local = d.vocab_size // pcfg.tp if pcfg.loss_parallel else d.vocab_size
 

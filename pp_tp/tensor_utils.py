@@ -1,9 +1,22 @@
-"""Copy whole (unsharded) values into parameters that may be DTensors, with no communication."""
+"""Copy whole (unsharded) values into parameters that may be DTensors, with no communication; a module's state."""
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+from pp_tp._torch import is_persistent_buffer
+
+
+def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers that belong to the model's state (state_dict, checkpoints), by FQN: each one needs a value."""
+    out = {}
+    for name, b in module.named_buffers():
+        owner, _, leaf = name.rpartition(".")
+        if is_persistent_buffer(module.get_submodule(owner), leaf):
+            out[name] = b
+    return out
 
 
 @torch.no_grad()

@@ -15,7 +15,7 @@ from pp_tp.config import ModelConfig, ParallelConfig
 from pp_tp.models.factory import build_model
 from pp_tp.models.reference.model import ModelArgs
 from pp_tp.parallel.grads import clip_grad_norm_
-from pp_tp.tensor_utils import full_tensor
+from pp_tp.tensor_utils import full_tensor, persistent_buffers
 
 _MESHES: dict = {}
 
@@ -105,7 +105,8 @@ def reference_run(
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
         opt.step()
     params = {k: p.detach().clone() for k, p in model.named_parameters()}
-    return {"losses": losses, "grads": grads, "params": params, "norms": norms}
+    buffers = {k: b.detach().clone() for k, b in persistent_buffers(model).items()}
+    return {"losses": losses, "grads": grads, "params": params, "norms": norms, "buffers": buffers}
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -144,7 +145,20 @@ def run_pipeline(
             norms.append(float(clip_grad_norm_(pipe.model_parts, max_norm, mesh)))
         opt.step()
     out = {k: full_tensor(p).detach().clone() for part in pipe.model_parts for k, p in part.named_parameters()}
-    return {"losses": losses, "grads": grads, "params": out, "pipe": pipe, "norms": norms}
+    buffers = {k: b.detach().clone() for part in pipe.model_parts for k, b in persistent_buffers(part).items()}
+    return {"losses": losses, "grads": grads, "params": out, "pipe": pipe, "norms": norms, "buffers": buffers}
+
+
+def buffer_err(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    """Worst relative error of a stage's persistent buffers against the reference model's (inf for a missing or
+    extra one, or a mismatched integer buffer)."""
+    errs = [0.0]
+    for k, b in got.items():
+        if k not in want or b.shape != want[k].shape:
+            return float("inf")
+        same = torch.equal(b, want[k])
+        errs.append(rel_err(b, want[k]) if b.is_floating_point() else (0.0 if same else float("inf")))
+    return max(errs)
 
 
 def compare(
@@ -170,6 +184,7 @@ def compare(
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"]))
     norm_err = max((abs(a - b) / b for a, b in zip(got["norms"], ref["norms"])), default=0.0)
     return {
+        "buffer_err": buffer_err(got["buffers"], ref["buffers"]),
         "loss_err": loss_err,
         "grad_err": grad_err,
         "param_err": param_err,
@@ -186,7 +201,8 @@ def compare(
 def assert_parity(results: list[dict], tol: float = 1e-5) -> None:
     """Every rank's loss, gradients and params match; the pp ranks' parameters cover the model exactly once."""
     for r in results:
-        assert r["loss_err"] <= tol and r["grad_err"] <= tol and r["param_err"] <= tol and r["norm_err"] <= tol, r
+        errs = ("loss_err", "grad_err", "param_err", "norm_err", "buffer_err")
+        assert all(r[e] <= tol for e in errs), r
     by_pp = {r["pp_rank"]: r["names"] for r in results}
     union = [n for names in by_pp.values() for n in names]
     assert sorted(union) == results[0]["all_names"], "pp ranks' parameters must cover the model exactly once"

@@ -1,4 +1,5 @@
-"""Fills one stage's (TP/FSDP-sharded) parameters from an HF checkpoint, reading only this rank's slices.
+"""Fills one stage's (TP/FSDP-sharded) parameters and its persistent buffers from an HF checkpoint, reading only
+this rank's slices.
 
 torch's `HuggingFaceStorageReader` reads the same `get_slice` blocks, but only inside `dcp.load`, whose
 global planning is a collective and whose copy casts dtypes implicitly; reading the blocks here keeps every
@@ -14,11 +15,13 @@ import torch
 from pp_tp._torch import local_shape_and_offset, local_tensor
 from pp_tp.hf_checkpoint.source import HFSource
 from pp_tp.stages.stage_module import StageModule
+from pp_tp.tensor_utils import persistent_buffers
 
 
 @torch.no_grad()
 def load_stage(stage: StageModule, source: HFSource, casts: Counter | None = None) -> None:
-    """Copies this rank's block of every parameter of `stage` from `source`, by the stage's checkpoint keys.
+    """Copies this rank's block of every parameter of `stage` from `source`, by the stage's checkpoint keys, and
+    every persistent buffer whole (buffers are never sharded).
 
     `casts` counts the (checkpoint dtype -> parameter dtype) conversions made, for the log.
     """
@@ -34,3 +37,5 @@ def load_stage(stage: StageModule, source: HFSource, casts: Counter | None = Non
         if casts is not None and entry.dtype != local.dtype:
             casts[f"{entry.dtype} -> {local.dtype}".replace("torch.", "")] += 1
         local.copy_(source.read(key, offset, shape, local.dtype))
+    for key, b in persistent_buffers(stage).items():
+        b.copy_(source.read(key, (0,) * b.dim(), tuple(b.shape), b.dtype))

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from pp_tp.errors import ConfigError
 from pp_tp.hf_checkpoint.source import INDEX, SINGLE
-from pp_tp.tensor_utils import full_tensor
+from pp_tp.tensor_utils import full_tensor, persistent_buffers
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -37,7 +37,8 @@ def parse_size(size: int | str) -> int:
 
 
 def _owned(parts: list[nn.Module]) -> list[tuple[str, torch.Tensor]]:
-    """(checkpoint key, parameter) this pp rank stores: a tied copy only where its canonical name lives."""
+    """(checkpoint key, tensor) this pp rank stores: every parameter (a tied copy only where its canonical name
+    lives) and persistent buffer (one under a module every stage shares only with the first stage)."""
     out: dict[str, torch.Tensor] = {}
     for part in parts:
         keys = part.checkpoint_keys
@@ -45,7 +46,16 @@ def _owned(parts: list[nn.Module]) -> list[tuple[str, torch.Tensor]]:
             key = keys[name]
             if name == key or key in keys:
                 out.setdefault(key, p)
+        shared = tuple(f"{s}." for s in part.layout.shared)
+        for name, b in persistent_buffers(part).items():
+            if part.is_first or not name.startswith(shared):
+                out.setdefault(name, b)
     return list(out.items())
+
+
+def _stored(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype `t` is written in: `dtype` for floating-point tensors when given, else its own (integer buffers)."""
+    return dtype if dtype is not None and t.is_floating_point() else t.dtype
 
 
 def _plan_files(owned: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None, max_bytes: int) -> list[list[str]]:
@@ -53,7 +63,7 @@ def _plan_files(owned: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None
     files: list[list[str]] = []
     size = 0
     for key, p in owned:
-        n = p.numel() * (dtype or p.dtype).itemsize
+        n = p.numel() * _stored(p, dtype).itemsize
         if not files or (size + n > max_bytes and files[-1]):
             files.append([])
             size = 0
@@ -124,7 +134,7 @@ def save_pretrained(
     if dist.get_rank() == 0:
         _clear(path)
     plans: list = [None] * dist.get_world_size()
-    nbytes = sum(p.numel() * (dtype or p.dtype).itemsize for _, p in owned)
+    nbytes = sum(p.numel() * _stored(p, dtype).itemsize for _, p in owned)
     dist.all_gather_object(plans, (mesh.get_local_rank("pp"), files, nbytes) if writer else None)
     sizes = sum(p[2] for p in plans if p is not None)
     plans = [p[:2] for p in plans if p is not None]
@@ -133,7 +143,7 @@ def save_pretrained(
     for keys, name in zip(files, names):
         tensors = {}
         for key in keys:  # every rank of this pp rank gathers in the same order; only the writer keeps it
-            full = full_tensor(params[key].detach()).to(dtype or params[key].dtype).contiguous()
+            full = full_tensor(params[key].detach()).to(_stored(params[key], dtype)).contiguous()
             if writer:
                 tensors[key] = full
         if writer:

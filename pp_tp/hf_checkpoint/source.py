@@ -13,14 +13,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pp_tp._torch import is_persistent_buffer
 from pp_tp.errors import ConfigError
+from pp_tp.tensor_utils import persistent_buffers
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
-# safetensors dtype names -> torch dtypes; floating point only (weights).
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+# safetensors dtype names -> torch dtypes: floating point (weights, float buffers) and integers (int buffers).
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
 
 
 def has_weights(path: str) -> bool:
@@ -69,7 +72,7 @@ class HFSource:
                     dtype = _DTYPES.get(sl.get_dtype())
                     if dtype is None:
                         raise ConfigError(
-                            f"checkpoint {file}: {key!r} has dtype {sl.get_dtype()}, not a float type; "
+                            f"checkpoint {file}: {key!r} has dtype {sl.get_dtype()}, which pp_tp cannot read; "
                             "store weights as F32, BF16 or F16"
                         )
                     self.entries[key] = Entry(file, tuple(sl.get_shape()), dtype)
@@ -83,13 +86,14 @@ class HFSource:
         from safetensors import safe_open
 
         with safe_open(self.entries[key].file, framework="pt") as f:
-            sl = f.get_slice(key)
-            block = sl[tuple(slice(o, o + n) for o, n in zip(offset, shape))] if shape else sl[:]
+            if not shape:  # a 0-dim tensor (a scalar buffer) cannot be sliced
+                return f.get_tensor(key).to(dtype)
+            block = f.get_slice(key)[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
         return block.to(dtype)
 
 
-def model_keys(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], dict[str, str], set[str]]:
-    """(canonical key -> shape, alias -> canonical key for tied copies, persistent buffer names) of `model`."""
+def model_keys(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """(canonical key -> shape of every parameter and persistent buffer, alias -> canonical key for tied copies)."""
     canonical: dict[int, str] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     aliases: dict[str, str] = {}
@@ -99,17 +103,13 @@ def model_keys(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], dict[str, 
         else:
             canonical[id(p)] = name
             shapes[name] = tuple(p.shape)
-    buffers = set()
-    for name, _ in model.named_buffers():
-        owner, _, leaf = name.rpartition(".")
-        if is_persistent_buffer(model.get_submodule(owner), leaf):
-            buffers.add(name)
-    return shapes, aliases, buffers
+    shapes.update({name: tuple(b.shape) for name, b in persistent_buffers(model).items()})
+    return shapes, aliases
 
 
 def check(source: HFSource, model: nn.Module) -> None:
     """Missing, unexpected or wrongly shaped keys of `source` for `model`: one ConfigError naming the first."""
-    shapes, aliases, buffers = model_keys(model)
+    shapes, aliases = model_keys(model)
     what = type(model).__name__
     missing = [k for k in shapes if k not in source.entries]
     if missing:
@@ -118,7 +118,7 @@ def check(source: HFSource, model: nn.Module) -> None:
             f"give the weights of this {what} (its config.json must match them)"
         )
     for key, e in source.entries.items():
-        if key not in shapes and key not in aliases and key not in buffers:
+        if key not in shapes and key not in aliases:
             raise ConfigError(
                 f"checkpoint {e.file}: unexpected key {key!r}, not a parameter of {what}; "
                 "give the weights of this model (its config.json must match them)"

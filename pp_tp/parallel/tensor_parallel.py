@@ -91,6 +91,8 @@ STYLES: dict[str, Callable[[], ParallelStyle | None]] = {
     "replicate_input": ReplicateInput,
 }
 
+# Column-parallel styles whose output is gathered back to full width (replicated).
+_GATHERED = {"colwise_gather_output"}
 # Styles that only prepare a module's inputs: its Linear layers still need rules of their own.
 _INPUT_STYLES = {"replicate_input"}
 
@@ -125,6 +127,9 @@ class PlanReport:
     resolved: dict[str, str]
     unmatched_rules: list[str]
     unsharded_linears: list[str]
+    # Parameters inside a "replicate_input" sub-block with feature-sharded columns that no rule covers: between its
+    # column- and row-parallel layers they would see a shard and get a partial gradient per TP rank (refused).
+    unplanned_params: list[str]
 
     @property
     def ok(self) -> bool:
@@ -156,12 +161,19 @@ def verify(module: nn.Module, plan: Mapping[str, str]) -> PlanReport:
         unmatched += [] if hits else [rule]
         resolved.update(dict.fromkeys(hits, style))
     covered = [c for c, style in resolved.items() if style not in _INPUT_STYLES]
-    unsharded = [
-        n
-        for n, m in module.named_modules()
-        if isinstance(m, nn.Linear) and not any(n == c or n.startswith(c + ".") for c in covered)
+    # Sub-blocks whose column-parallel layers hand on a feature shard (not gathered): their middle is sharded.
+    sharded = [c for c, style in resolved.items() if _LINEAR_SHARDED_DIM.get(style) == 0 and style not in _GATHERED]
+    regions = [
+        c for c, style in resolved.items() if style in _INPUT_STYLES and any(s.startswith(c + ".") for s in sharded)
     ]
-    return PlanReport(resolved, unmatched, unsharded)
+    under = lambda n, prefixes: any(n == c or n.startswith(c + ".") for c in prefixes)  # noqa: E731
+    unsharded = [n for n, m in module.named_modules() if isinstance(m, nn.Linear) and not under(n, covered)]
+    unplanned = [
+        n
+        for n, _ in module.named_parameters()
+        if under(n.rpartition(".")[0], regions) and not under(n.rpartition(".")[0], covered)
+    ]
+    return PlanReport(resolved, unmatched, unsharded, unplanned)
 
 
 def block_plan(block: nn.Module, layout: ModelLayout) -> dict[str, str]:
@@ -205,6 +217,12 @@ def check_tp_plan(model: nn.Module, layout: ModelLayout, pcfg: ParallelConfig) -
     for key, block in model.get_submodule(layout.blocks).named_children():
         report = verify(block, block_plan(block, layout))
         _refuse_unmatched(report, f"block {layout.blocks}.{key} ({type(block).__name__})")
+        if report.unplanned_params:
+            raise ConfigError(
+                f"tensor-parallel plan of block {layout.blocks}.{key} ({type(block).__name__}): parameter "
+                f"{report.unplanned_params[0]!r} sits inside a tensor-parallel sub-block but no rule covers it "
+                "(its gradient would be partial on each TP rank); set parallel.tp = 1 or add a rule for it"
+            )
         unsharded.update(report.unsharded_linears)
         for fqn, style in report.resolved.items():
             module, dim = block.get_submodule(fqn), _LINEAR_SHARDED_DIM.get(style)

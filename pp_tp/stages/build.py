@@ -1,8 +1,11 @@
 """Per-rank stage building: prune to this rank's stages, parallelize on meta, then materialize and fill.
 
 Only this rank's stages are ever allocated, so peak parameter memory is about the rank's share of the
-model, never the whole model. Values come from the seeded init (identical to the single-process init,
-because it depends only on (seed, FQN)) or from a full state dict keyed by FQN.
+model, never the whole model. Every tensor a stage holds gets its value here, by FQN: parameters from the
+seeded init (identical to the single-process init, because it depends only on (seed, FQN)), from the model
+itself, a full state dict or an HF checkpoint; persistent buffers from the same source, or from the layout's
+own init rule on a seeded build; non-persistent buffers from the layout. Nothing is left as `to_empty` memory:
+persistent buffers are poisoned first, and one still poisoned at the end is refused in one line.
 """
 
 from __future__ import annotations
@@ -23,34 +26,90 @@ from pp_tp.seeded_init import seeded_value
 from pp_tp.stages.layouts import ModelLayout
 from pp_tp.stages.plan import StagePlan
 from pp_tp.stages.stage_module import StageModule, canonical_names
-from pp_tp.tensor_utils import copy_full_
+from pp_tp.tensor_utils import copy_full_, persistent_buffers
 
 
 def _capture_weights(stage: StageModule) -> dict[str, torch.Tensor]:
-    """A model handed over with real weights: keep them by canonical FQN, then treat the stage like a meta one."""
+    """A model handed over with real weights: keep its parameters and persistent buffers by canonical FQN, then
+    treat the stage like a meta one."""
     named = dict(stage.named_parameters())
     weights = {stage.checkpoint_keys[k]: p.detach().clone() for k, p in named.items()}
+    weights.update({k: b.detach().clone() for k, b in persistent_buffers(stage).items()})
     stage.to_empty(device="meta")
     return weights
 
 
+def _poison(buffer: torch.Tensor) -> None:
+    """Marks a buffer as not yet given a value: NaN, or the dtype's lowest value for integers."""
+    if buffer.is_floating_point() or buffer.is_complex():
+        buffer.fill_(float("nan"))
+    elif buffer.dtype == torch.bool:
+        buffer.fill_(False)
+    else:
+        buffer.fill_(torch.iinfo(buffer.dtype).min)
+
+
+def _is_poisoned(buffer: torch.Tensor) -> bool:
+    if buffer.is_floating_point() or buffer.is_complex():
+        return bool(torch.isnan(buffer).any())
+    if buffer.dtype == torch.bool:
+        return False  # no sentinel exists; a bool buffer on a seeded build comes from the layout's init rule
+    return bool((buffer == torch.iinfo(buffer.dtype).min).any())
+
+
+def _value(values: Mapping[str, torch.Tensor], fqn: str, shape: torch.Size, what: str) -> torch.Tensor:
+    if fqn not in values:
+        raise ConfigError(f"state_dict has no {fqn!r}; pass the full model's state dict (keys are its FQNs: {what})")
+    full = values[fqn]
+    if tuple(full.shape) != tuple(shape):
+        raise ConfigError(f"state_dict[{fqn!r}] has shape {tuple(full.shape)}, the model needs {tuple(shape)}")
+    return full
+
+
 @torch.no_grad()
 def fill_stage(stage: StageModule, model: nn.Module, seed: int, state_dict: Mapping[str, torch.Tensor] | None) -> None:
-    """Writes values into every (possibly sharded) parameter, by FQN; recomputes non-persistent buffers."""
+    """Writes values into every (possibly sharded) parameter and persistent buffer, by FQN."""
     layout = stage.layout
-    layout.init_buffers(stage, model)
     n_layers = layout.dims(model).n_layers
     for name, p in stage.named_parameters():
         fqn = stage.checkpoint_keys[name]  # a tied copy takes its value under the canonical name
         if state_dict is None:
             full = seeded_value(seed, fqn, p.shape, layout.init_std(fqn, n_layers))
-        elif fqn in state_dict:
-            full = state_dict[fqn]
         else:
-            raise ConfigError(f"state_dict has no {fqn!r}; pass the full model's state dict (keys are its FQNs)")
-        if tuple(full.shape) != tuple(p.shape):
-            raise ConfigError(f"state_dict[{fqn!r}] has shape {tuple(full.shape)}, the model needs {tuple(p.shape)}")
+            full = _value(state_dict, fqn, p.shape, "parameters and persistent buffers")
         copy_full_(p, full.to(torch.float32))
+    if state_dict is not None:
+        for fqn, b in persistent_buffers(stage).items():
+            b.copy_(_value(state_dict, fqn, b.shape, "parameters and persistent buffers").to(b.dtype))
+
+
+@torch.no_grad()
+def materialize(
+    stage: StageModule,
+    model: nn.Module,
+    device: torch.device,
+    seed: int = 0,
+    values: Mapping[str, torch.Tensor] | None = None,
+    checkpoint: HFSource | None = None,
+    casts: Counter | None = None,
+) -> None:
+    """Allocates `stage` on `device` and gives every tensor its value (module docstring); the one way a stage
+    leaves the meta device, for pipelined ranks and the self-check alike."""
+    stage.to_empty(device=device)
+    for b in persistent_buffers(stage).values():
+        _poison(b)
+    stage.layout.init_buffers(stage, model)  # non-persistent buffers; persistent ones by the model's own rule
+    if checkpoint is not None:  # an HF checkpoint: only this rank's slices are read
+        load_stage(stage, checkpoint, casts)
+    else:
+        fill_stage(stage, model, seed, values)
+    unset = [fqn for fqn, b in persistent_buffers(stage).items() if _is_poisoned(b)]
+    if unset:
+        raise ConfigError(
+            f"model {type(model).__name__}: persistent buffer {unset[0]!r} gets no value from its layout's init "
+            "rule (for Hugging Face models, the model's _init_weights); pass the model holding its weights, a "
+            "state_dict or a checkpoint that has it"
+        )
 
 
 def build_local_stages(
@@ -75,11 +134,6 @@ def build_local_stages(
         stage = StageModule(model, layout, spec, aliases)
         weights = _capture_weights(stage) if has_weights else None
         parallelize_stage(stage, mesh, pcfg)
-        stage.to_empty(device=device)
-        if checkpoint is not None:  # an HF checkpoint: only this rank's slices are read
-            stage.layout.init_buffers(stage, model)
-            load_stage(stage, checkpoint, casts)
-        else:
-            fill_stage(stage, model, seed, weights if weights is not None else state_dict)
+        materialize(stage, model, device, seed, weights if weights is not None else state_dict, checkpoint, casts)
         stages.append(stage)
     return stages

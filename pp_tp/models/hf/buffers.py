@@ -1,4 +1,5 @@
-"""Non-persistent buffers of a Hugging Face stage (rotary tables, embedding scales) after meta materialization.
+"""Buffers of a Hugging Face stage after meta materialization: non-persistent ones (rotary tables, embedding
+scales), and persistent ones (router biases) by the model's own init rule, for builds without a source.
 
 transformers fills them in `_init_weights` (its own rule per module type); it would also re-draw the module's
 parameters, so those are swapped for meta placeholders while it runs (values come later, by FQN).
@@ -9,14 +10,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pp_tp._torch import is_persistent_buffer
-
 
 @torch.no_grad()
 def init_buffers(stage: nn.Module, model: nn.Module) -> None:
-    """Recomputes every non-persistent buffer of `stage` with the model's own `_init_weights` rules."""
+    """Recomputes every buffer of `stage` with the model's own `_init_weights` rules (a source, when there is one,
+    overwrites the persistent ones afterwards)."""
     for module in stage.modules():
-        if all(is_persistent_buffer(module, n) for n, _ in module.named_buffers(recurse=False)):
+        if next(module.buffers(recurse=False), None) is None:
             continue
         params = dict(module.named_parameters(recurse=False))
         for name, p in params.items():

@@ -64,6 +64,13 @@ def _layer_types(model: nn.Module, n_layers: int) -> list[str]:
     config = model.config
     types = getattr(config, "layer_types", None)
     if types is not None:
+        unknown = sorted(set(types[:n_layers]) - {FULL, SLIDING})
+        if unknown:
+            raise _refuse(
+                model,
+                f"config.layer_types has {unknown[0]!r} layers; pp_tp runs {FULL!r} and {SLIDING!r} attention "
+                "only (register a layout for it: pp_tp.extend.register_layout)",
+            )
         return list(types[:n_layers])
     return [SLIDING if getattr(config, "sliding_window", None) is not None else FULL] * n_layers
 

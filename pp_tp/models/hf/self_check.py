@@ -3,9 +3,10 @@
 Before anything is built, the generic layout's composed forward (embedding -> blocks as the layout calls
 them -> norm -> head, with the model-level extras; built on meta and materialized as a pipelined rank does,
 so restored buffers are checked too) runs against the model's own `forward` on a small copy
-of its config: 2+ layers covering every attention type, tiny widths, a sequence longer than any sliding
-window, CPU, fp32, fixed seed. A family whose forward does anything the layout does not know is refused
-in one line naming its class. The verdict is cached per (class, small config), so it costs seconds once.
+of its config: 2+ layers covering every attention and MLP type, tiny widths kept self-consistent, a sequence
+longer than any sliding window, CPU, fp32, fixed seed, every parameter and persistent buffer copied. A family
+whose forward does anything the layout does not know is refused in one line naming its class. The verdict is
+deterministic (every rank reaches the same one) and cached per (class, small config), so it costs seconds once.
 """
 
 from __future__ import annotations
@@ -17,37 +18,65 @@ import torch
 from torch import nn
 
 from pp_tp.errors import ConfigError
+from pp_tp.stages.build import materialize
 from pp_tp.stages.layouts import ModelLayout
 from pp_tp.stages.plan import StageSpec
 from pp_tp.stages.stage_module import StageModule
+from pp_tp.tensor_utils import persistent_buffers
 
 SEQ = 12  # longer than the sliding window set below, so window masks really cut
 WINDOW = 4
 TOLERANCE = 1e-5
 
 
+# Width keys shrunk to these values wherever the config has them (MoE and MLA dims included).
+_SIZES = {
+    "num_attention_heads": 4,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "vocab_size": 128,
+    "moe_intermediate_size": 32,
+    "kv_lora_rank": 32,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+}
+_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
+_MOE_COUNTS = ("num_experts_per_tok", "n_shared_experts")  # set on a MoE family even where its default leaves None
+
+
 def small_config(config):
-    """A copy of `config` with tiny widths and just enough layers to cover each attention type."""
+    """A copy of `config` with tiny widths and just enough layers to cover each attention and MLP type.
+
+    Dims the model derives from others keep their relation (MLA's head_dim is its rope dim, qk_head_dim the sum
+    of rope and nope dims), so the copy is as self-consistent as the original."""
     small = copy.deepcopy(config)
-    types = list(dict.fromkeys(getattr(config, "layer_types", None) or []))
+    get = lambda key: getattr(config, key, None)  # noqa: E731
+    types = list(dict.fromkeys(get("layer_types") or []))
     n_layers = max(2, len(types))
-    heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    small_kv = 4 * kv // heads if (4 * kv) % heads == 0 and kv <= heads else 4
-    sizes = {
-        "num_hidden_layers": n_layers,
-        "num_attention_heads": 4,
-        "num_key_value_heads": max(1, small_kv),
-        "hidden_size": 64,
-        "intermediate_size": 96,
-        "vocab_size": 128,
-        "head_dim": 16,
-        "moe_intermediate_size": 32,
-        "num_local_experts": min(getattr(config, "num_local_experts", 4) or 4, 4),
-        "num_experts": min(getattr(config, "num_experts", 4) or 4, 4),
-        "num_experts_per_tok": min(getattr(config, "num_experts_per_tok", 2) or 2, 2),
-    }
+    heads, kv = config.num_attention_heads, get("num_key_value_heads") or config.num_attention_heads
+    sizes = dict(_SIZES, num_hidden_layers=n_layers)
+    sizes["num_key_value_heads"] = max(1, 4 * kv // heads if (4 * kv) % heads == 0 and kv <= heads else 4)
+    moe = [key for key in _EXPERT_COUNTS if hasattr(config, key)]
+    for key in moe:  # a MoE family whose default config leaves its counts unset gets them too
+        sizes[key] = min(get(key) or 4, 4)
+    if moe:
+        sizes["num_experts_per_tok"] = min(get("num_experts_per_tok") or 2, 2)
+        if hasattr(config, "n_shared_experts"):
+            sizes["n_shared_experts"] = 1 if get("n_shared_experts") is None else min(get("n_shared_experts"), 1)
+    if (get("n_group") or 1) > 1:  # group-limited routing: 2 groups of 2 experts, one group picked
+        sizes.update(n_group=2, topk_group=1)
+    if get("first_k_dense_replace"):  # one dense layer, then MoE layers
+        sizes["first_k_dense_replace"] = 1
+    if get("qk_rope_head_dim") is not None and get("head_dim") == get("qk_rope_head_dim"):
+        sizes["head_dim"] = _SIZES["qk_rope_head_dim"]
+    else:
+        sizes["head_dim"] = 16
+    if get("qk_head_dim") is not None:
+        sizes["qk_head_dim"] = _SIZES["qk_rope_head_dim"] + _SIZES["qk_nope_head_dim"]
     for key, value in sizes.items():
-        if hasattr(small, key) and getattr(small, key) is not None:
+        if getattr(small, key, None) is not None or key in moe or (moe and key in _MOE_COUNTS):
             setattr(small, key, value)
     if getattr(small, "sliding_window", None) is not None:
         small.sliding_window = WINDOW
@@ -62,31 +91,40 @@ def small_config(config):
 def _materialized_stage(
     cls: type, small, reference: nn.Module, compose: Callable[[nn.Module], ModelLayout]
 ) -> StageModule:
-    """The whole small model as one stage, built the way pipelined ranks build theirs: on meta, materialized
-    with `to_empty`, buffers restored by the layout, parameters copied from `reference` under canonical keys."""
+    """The whole small model as one stage, built the way pipelined ranks build theirs (`materialize`: on meta,
+    allocated, buffers from the layout, then parameters and persistent buffers from `reference` by FQN)."""
     with torch.device("meta"):
         meta = cls(small)
     layout = compose(meta)
     keys = layout.block_keys(meta)
     fqns = [layout.embed] + [f"{layout.blocks}.{k}" for k in keys] + [layout.norm, layout.head]
     stage = StageModule(meta, layout, StageSpec(0, 0, True, keys, True, fqns))
-    stage.to_empty(device="cpu")
-    layout.init_buffers(stage, meta)
-    values = dict(reference.named_parameters())
-    with torch.no_grad():
-        for name, p in stage.named_parameters():
-            p.copy_(values[stage.checkpoint_keys[name]])
+    values = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+    materialize(stage, meta, torch.device("cpu"), values=values)
     return stage.to(torch.float32).eval()
+
+
+@torch.no_grad()
+def _stir_zero_buffers(model: nn.Module) -> None:
+    """All-zero float persistent buffers (router biases at init) get small seeded values, so a composition that
+    dropped or mangled one would show in the logits."""
+    gen = torch.Generator().manual_seed(1)
+    for b in persistent_buffers(model).values():
+        if b.is_floating_point() and not b.any():
+            b.copy_(0.1 * torch.randn(b.shape, generator=gen, dtype=b.dtype))
 
 
 _VERDICTS: dict[tuple[type, str], str | None] = {}
 
 
 def _verdict(cls: type, small, compose: Callable[[nn.Module], ModelLayout]) -> str | None:
-    """None when the composition equals the model's forward on the small config, else why not."""
-    torch.manual_seed(0)
+    """None when the composition equals the model's forward on the small config, else why not. Deterministic:
+    fixed seeds (the caller's RNG state untouched), every value copied, so every rank reaches the same verdict."""
     try:
-        model = cls(small).to(torch.float32).eval()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = cls(small).to(torch.float32).eval()
+            _stir_zero_buffers(model)
         stage = _materialized_stage(cls, small, model, compose)
         ids = torch.randint(0, small.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():

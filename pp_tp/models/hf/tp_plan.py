@@ -21,6 +21,8 @@ SUPPORTED = {
     "replicate": "replicate",
 }
 _COLUMN = ("colwise", "colwise_gather_output")
+# HF styles that shard or dispatch MoE experts (the refusal says so; any other unsupported style is named as is).
+_EXPERT_STYLES = {"grouped_gemm", "ep_dispatch_experts", "moe_tp_experts", "packed_colwise", "packed_rowwise"}
 
 
 def block_tp_plan(model: nn.Module, blocks_key: str) -> tuple[dict[str, str], str | None]:
@@ -38,9 +40,10 @@ def block_tp_plan(model: nn.Module, blocks_key: str) -> tuple[dict[str, str], st
         if not rule.startswith(prefix):
             continue  # embedding and head are pp_tp's own (parallel.embedding, parallel.loss_parallel)
         if style not in SUPPORTED:
+            why = " (MoE experts stay whole per rank)" if style in _EXPERT_STYLES else ""
             return {}, (
                 f"model {family}: its tensor-parallel rule {rule!r} uses Hugging Face style {style!r}, which "
-                "pp_tp does not support (MoE experts stay whole per rank); set parallel.tp = 1"
+                f"pp_tp does not support{why}; set parallel.tp = 1"
             )
         plan[rule[len(prefix) :]] = SUPPORTED[style]
     parents = {rule.rpartition(".")[0] for rule, style in plan.items() if style in _COLUMN and "." in rule}
