@@ -21,8 +21,8 @@ from torch import nn
 
 from pp_tp.models.reference.model import ModelArgs
 from pp_tp.planner import SavedActivations, peak_held_bytes
-from pp_tp.schedules.loss import TokenSumLoss
-from pp_tp.timeline import schedule_actions
+from pp_tp.planner.schedule_sim import schedule_actions
+from pp_tp.runtime.loss import TokenSumLoss
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 

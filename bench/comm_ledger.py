@@ -4,7 +4,7 @@
     python bench/comm_ledger.py --schedules 1F1B Interleaved1F1B --policies default always
 
 8 gloo ranks = pp2 x dp_shard2 x tp2, fp32, a tiny model; one step after a warm-up step is recorded
-with pp_tp.parallel.comm_ledger.CommLedger on every rank, split by process group. Shown for the two
+with pp_tp.diagnostics.comm_ledger.CommLedger on every rank, split by process group. Shown for the two
 ranks at dp/tp coordinate 0 (pp rank 0 and 1) as measured/minimum op counts, and total bytes likewise.
 Minimum per rank and step, from the rank's own stages:
   FSDP (dp_shard):  1 all-gather and 1 reduce-scatter per unit (each block, each stage root)
@@ -24,9 +24,9 @@ import torch
 from common import World, batch, default_stages_per_rank, table
 
 import pp_tp
+from pp_tp.diagnostics.comm_ledger import CommLedger
 from pp_tp.errors import ConfigError
 from pp_tp.models.reference.model import ModelArgs, Transformer
-from pp_tp.parallel.comm_ledger import CommLedger
 from pp_tp.planner import tp_local_numel
 from pp_tp.schedules.registry import check_schedule
 

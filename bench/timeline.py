@@ -3,7 +3,7 @@
     python bench/timeline.py --trace timeline.json      # then open timeline.json at https://ui.perfetto.dev
     python bench/timeline.py --schedules 1F1B --m 4 8 16
 
-For each schedule and m, one step runs on pp gloo ranks (one thread each) with pp_tp.timeline's
+For each schedule and m, one step runs on pp gloo ranks (one thread each) with pp_tp.diagnostics.timeline's
 recorder around the stages' forward/backward, the loss and torch's p2p waits. Bubble = idle over
 compute time per rank: measured (step wall time between barriers minus compute), simulated from
 torch's action order (F = 1, B = 2 cost units; I = W = 1 where B is split), and theoretical ((p-1)/m,
@@ -19,17 +19,10 @@ import statistics
 
 from common import World, default_stages_per_rank, table, warm_pipeline
 
+from pp_tp.diagnostics.timeline import chrome_trace, record_step, write_trace
 from pp_tp.models.reference.model import ModelArgs
+from pp_tp.planner.schedule_sim import bubble_fraction, schedule_actions, simulate, theoretical_bubble
 from pp_tp.schedules.registry import get_schedule_spec
-from pp_tp.timeline import (
-    bubble_fraction,
-    chrome_trace,
-    record_step,
-    schedule_actions,
-    simulate,
-    theoretical_bubble,
-    write_trace,
-)
 
 
 def record(schedule: str, m: int, pp: int, args: ModelArgs, rows: int, seq: int) -> tuple[list, float]:

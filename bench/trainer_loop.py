@@ -5,7 +5,7 @@
     python bench/trainer_loop.py --steps 40 --skip 10 parallel.tp=1 parallel.dp_shard=2 parallel.float8=true \
         parallel.float8_fsdp_all_gather=true                     # FSDP with float8 all-gather instead of TP
 
-Runs `pp_tp.trainer.train` on the config's ranks (gloo, one thread each; checkpoints off, metrics to a
+Runs `pp_tp.train.trainer.train` on the config's ranks (gloo, one thread each; checkpoints off, metrics to a
 temporary file) with timers around Pipeline.step, the loader, zero_grad, clipping, the optimizer and
 LR steps and the metrics logger. A step is the time from one `before_step` call to the next, so
 everything the loop does counts; "other" is the rest (non-finite guard, validation, peer watch, Python).
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from common import World, table
 
-import pp_tp.trainer as trainer
+import pp_tp.train.trainer as trainer
 from pp_tp.config import load_config
 
 PARTS = ("Pipeline.step", "data", "zero_grad", "clip", "optimizer", "lr", "metrics")

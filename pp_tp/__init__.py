@@ -5,7 +5,7 @@ from pp_tp.build import build_pipeline
 from pp_tp.config import ConfigError, JobConfig, ParallelConfig, load_config
 from pp_tp.mesh import build_mesh
 from pp_tp.plugins import load_plugins
-from pp_tp.schedules.pipeline import Pipeline
+from pp_tp.runtime.pipeline import Pipeline
 
 load_plugins()  # last: a plugin may import pp_tp's public names
 

@@ -112,6 +112,12 @@ def copy_forward_hooks(old: nn.Module, new: nn.Module) -> None:
 Wrap = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 
+def schedule_stages(schedule: Any) -> list[Any]:
+    """The PipelineStage objects a schedule drives (multi-stage or single-stage schedule).
+    Public replacement: none (schedules keep them as `_stages` / `_stage`)."""
+    return list(getattr(schedule, "_stages", None) or [schedule._stage])
+
+
 def patch_schedule_timing(schedule: Any, wrap_loss: Wrap, wrap_p2p_wait: Wrap) -> Callable[[], None]:
     """Wraps a schedule's loss computation and torch's p2p wait for the timeline; returns the undo.
     Public replacement: none (the schedules expose no hooks)."""

@@ -12,10 +12,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from pp_tp.config import ParallelConfig, resolve_parallel
 from pp_tp.hf_checkpoint import open_checked
+from pp_tp.materialize import build_local_stages
+from pp_tp.mesh import rank_device
 from pp_tp.parallel.fsdp import for_pp_rank, grad_factor
 from pp_tp.preflight import Preflight, check_seq_len, preflight
-from pp_tp.schedules.pipeline import BoundaryShapes, Pipeline
-from pp_tp.stages.build import build_local_stages
+from pp_tp.runtime.pipeline import BoundaryShapes, BuiltStages, Pipeline
 from pp_tp.stages.stage_module import StageModule
 from pp_tp.stages.tied import TiedWeights, tied_names
 from pp_tp.verdict import agreed
@@ -30,20 +31,19 @@ def build_pipeline(
     state_dict: Mapping[str, torch.Tensor] | None = None,
     seq_len: int | None = None,
     checkpoint: str | None = None,
+    source_dir: str | None = None,
 ) -> Pipeline:
     """This rank's share of `model` as pipeline stages with TP and FSDP, and the schedule that runs them.
 
     `model` is the full model on the meta device (values from `seed`, or `state_dict` keyed by FQN) or
     holding weights (they are used, persistent buffers included). `checkpoint`: an HF model directory whose
-    safetensors fill the stages, each rank reading only its own slices. Every check and the local build run before
-    any collective; then one exchange makes every rank refuse together (the same line) or go on together.
+    safetensors fill the stages, each rank reading only its own slices. `source_dir`: the HF directory the model
+    comes from, whose generation_config.json `save_pretrained` keeps (default: `checkpoint`). Every check and the
+    local build run before any collective; then one exchange makes every rank refuse together (the same line) or
+    go on together.
     """
     pcfg = for_pp_rank(resolve_parallel(pcfg, dist.get_world_size()), mesh.get_local_rank("pp"))
-    device = (
-        torch.device(mesh.device_type, torch.cuda.current_device())
-        if mesh.device_type == "cuda"
-        else torch.device("cpu")
-    )
+    device = rank_device(mesh)
     pp_rank = mesh.get_local_rank("pp")
     tied = tied_names(model)  # before the stages are materialized, which unties the shared modules
     casts: Counter = Counter()
@@ -67,7 +67,18 @@ def build_pipeline(
         return BoundaryShapes(microbatch, seq, d.dim, vocab_local, act_dtype)
 
     tp_loss_mesh = mesh["tp"] if pcfg.loss_parallel and pcfg.tp > 1 else None
-    pipe = Pipeline(stages, plan, mesh, pcfg, device, shapes, grad_factor(pcfg), tp_loss_mesh)
-    pipe.hf_config, pipe.checkpoint_dir, pipe.checkpoint_casts = getattr(model, "config", None), checkpoint, casts
-    pipe.tied = TiedWeights(tied, plan, mesh) if tied else None
-    return pipe
+    built = BuiltStages(
+        stages,
+        plan,
+        mesh,
+        pcfg,
+        device,
+        shapes,
+        grad_factor(pcfg),
+        tp_loss_mesh,
+        tied=TiedWeights(tied, plan, mesh) if tied else None,
+        hf_config=getattr(model, "config", None),
+        source_dir=source_dir if source_dir is not None else checkpoint,
+        checkpoint_casts=casts,
+    )
+    return Pipeline(built)

@@ -5,10 +5,10 @@ call a block); a schedule a `ScheduleSpec`; a TP style name a factory. Register 
 `pp_tp.model_layouts` / `pp_tp.schedules` entry points (see pp_tp.plugins). docs/design.md explains each.
 """
 
+from pp_tp.layout import ModelDims, ModelLayout, layout_for, register_layout
 from pp_tp.parallel.tensor_parallel import register_tp_style
 from pp_tp.schedules.registry import ScheduleSpec, register_schedule
 from pp_tp.seeded_init import default_init_std, seeded_value
-from pp_tp.stages.layouts import ModelDims, ModelLayout, layout_for, register_layout
 
 __all__ = [
     "ModelDims",

@@ -23,6 +23,11 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def rank_device(mesh: DeviceMesh) -> torch.device:
+    """This rank's device on `mesh`: its current CUDA device, or the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+
+
 def init_distributed(timeout_s: float = 300.0) -> None:
     """Initializes the default process group from torchrun's env if nobody did yet.
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from importlib.metadata import entry_points
 
+from pp_tp.layout import register_layout
 from pp_tp.schedules.registry import register_schedule
-from pp_tp.stages.layouts import register_layout
 
 _loaded = False
 

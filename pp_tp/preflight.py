@@ -13,10 +13,10 @@ from torch import nn
 
 from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
+from pp_tp.layout import ModelDims, ModelLayout, layout_for
 from pp_tp.parallel.float8 import check_float8
 from pp_tp.parallel.tensor_parallel import check_tp_plan
-from pp_tp.stages.layouts import ModelDims, ModelLayout, layout_for
-from pp_tp.stages.plan import StagePlan, plan_stages
+from pp_tp.split.plan import StagePlan, plan_stages
 
 
 @dataclass(frozen=True)

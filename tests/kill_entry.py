@@ -10,7 +10,7 @@ import sys
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from pp_tp.trainer import main
+from pp_tp.cli.train import main
 
 
 def kill_at(rank: int, at: int):

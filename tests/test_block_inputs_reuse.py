@@ -8,10 +8,10 @@ import parity_utils as pu
 import torch
 
 from pp_tp.config import ParallelConfig, resolve_parallel
+from pp_tp.layout import layout_for
 from pp_tp.models.reference import REFERENCE
 from pp_tp.models.reference.model import Transformer
-from pp_tp.stages.layouts import layout_for
-from pp_tp.stages.plan import plan_stages
+from pp_tp.split.plan import plan_stages
 from pp_tp.stages.stage_module import StageModule
 
 

@@ -21,9 +21,9 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 import pp_tp
 from pp_tp.errors import ConfigError
+from pp_tp.layout import layout_for
 from pp_tp.models.hf import self_check
 from pp_tp.models.hf.layout import compose
-from pp_tp.stages.layouts import layout_for
 from pp_tp.tensor_utils import persistent_buffers
 from pp_tp.verdict import agreed
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from pp_tp.parity import format_table
+from pp_tp.cli.parity import format_table
 
 CONFIG = """
 [model]

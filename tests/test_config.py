@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from pp_tp.cli.job import check_job
 from pp_tp.config import (
     JobConfig,
     ParallelConfig,
@@ -18,9 +19,8 @@ from pp_tp.config import (
     validate,
 )
 from pp_tp.errors import ConfigError
-from pp_tp.job import check_job
+from pp_tp.layout import ModelDims
 from pp_tp.preflight import check_model_shape
-from pp_tp.stages.layouts import ModelDims
 
 if sys.version_info >= (3, 11):
     import tomllib

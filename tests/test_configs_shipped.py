@@ -8,11 +8,11 @@ import os
 import pytest
 from train_utils import REPO
 
+from pp_tp.cli.job import check_job
 from pp_tp.config import load_config
-from pp_tp.job import check_job
+from pp_tp.layout import layout_for
 from pp_tp.models.factory import build_model
-from pp_tp.stages.layouts import layout_for
-from pp_tp.stages.plan import plan_stages
+from pp_tp.split.plan import plan_stages
 
 # name: (world size, parameters in billions, layers per stage)
 SHIPPED = {

@@ -31,9 +31,9 @@ from torch.distributed.tensor import DTensor
 
 from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
+from pp_tp.layout import layout_for
 from pp_tp.parallel import float8
-from pp_tp.stages.layouts import layout_for
-from pp_tp.stages.plan import plan_stages
+from pp_tp.split.plan import plan_stages
 from pp_tp.stages.stage_module import StageModule
 
 # Every Linear's TP-local shape (tp = 2) has both dims divisible by 16, so tp = 1 and tp = 2 convert the same set.

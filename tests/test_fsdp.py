@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from pp_tp.config import ParallelConfig
-from pp_tp.parallel.comm_ledger import CommLedger
+from pp_tp.diagnostics.comm_ledger import CommLedger
 from pp_tp.parallel.fsdp import keeps_params_gathered, reshard_after_forward, uses_fsdp
 from pp_tp.parallel.grads import clip_grad_norm_, total_grad_norm
 
@@ -233,7 +233,7 @@ def ledger_case(kw: dict, args=pu.TINY, steps: int = 2, gather_fix: bool = True)
 
     `gather_fix=False` runs torch's own UNSHARD/RESHARD placement (the control for pytorch#164756).
     """
-    from pp_tp.schedules import pipeline
+    from pp_tp.runtime import pipeline
 
     pcfg = pu.pcfg_of(**kw)
     mesh = pu.mesh_for(pcfg)
@@ -390,8 +390,8 @@ def test_ledger_grad_reduce_counts_per_unit(world):
     """Reduce-scatters per unit = ceil(m / k); all-gathers as the planner's step walk predicts for the policy."""
     from pp_tp.parallel.fsdp import for_pp_rank
     from pp_tp.planner.memory import stage_policy
+    from pp_tp.planner.schedule_sim import schedule_actions
     from pp_tp.planner.walk import StageBytes, walk_step
-    from pp_tp.timeline import schedule_actions
 
     for pp_rank, per_rank in enumerate(world(4).run(grad_reduce_ledger_case)[::2]):  # dp_shard rank 0 of each pp
         for kw, r in per_rank:

@@ -18,10 +18,10 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 import pp_tp
 from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
+from pp_tp.layout import layout_for
 from pp_tp.models.hf.self_check import small_config
 from pp_tp.models.reference.model import ModelArgs, Transformer
 from pp_tp.preflight import preflight
-from pp_tp.stages.layouts import layout_for
 from pp_tp.tensor_utils import full_tensor, persistent_buffers
 
 VOCAB = 64
@@ -342,8 +342,8 @@ def test_router_aux_loss_is_refused():
 
 
 def test_hf_path_takes_the_shape_from_config_json_and_refuses_contradictions(tmp_path):
+    from pp_tp.cli.job import check_job
     from pp_tp.config import load_config
-    from pp_tp.job import check_job
 
     make("mistral_sliding").config.save_pretrained(tmp_path)
     job = tmp_path / "job.toml"

@@ -14,10 +14,10 @@ import pytest
 import torch
 from train_utils import CORPUS, REPO, to_toml
 
+from pp_tp.cli.job import check_job
 from pp_tp.config import config_from_dict
-from pp_tp.data import ShardedBatches, make_source
 from pp_tp.errors import ConfigError
-from pp_tp.job import check_job
+from pp_tp.train.data import ShardedBatches, make_source
 
 TOKENIZER = os.path.join(REPO, "toml_configs", "hf_tiny")
 
@@ -34,8 +34,8 @@ def _job(tmp: str) -> dict:
 
 
 def train_export_case(d: dict, out: str) -> list[dict]:
-    from pp_tp.export import export
-    from pp_tp.trainer import train
+    from pp_tp.cli.export import export
+    from pp_tp.train.trainer import train
 
     cfg, _ = check_job(config_from_dict(d, world_size=4), 4)
     rows = train(cfg)
@@ -97,7 +97,7 @@ def test_tokenizer_errors_are_one_line(tmp_path):
 
 
 def test_eos_separates_documents_and_the_shipped_tokenizer_is_the_scripts_output(tmp_path):
-    from pp_tp.text_tokens import encode_file, load_tokenizer
+    from pp_tp.train.text_tokens import encode_file, load_tokenizer
 
     text = tmp_path / "t.txt"
     text.write_text("after monday comes tuesday.\nsnow is white.\n")

@@ -10,12 +10,12 @@ from train_utils import job
 
 import pp_tp
 from pp_tp.config import config_from_dict
-from pp_tp.nonfinite import NonFiniteError
+from pp_tp.train.nonfinite import NonFiniteError
 
 
 def nan_case(d: dict, restore: bool) -> list:
     """Sets a stage-1 weight to NaN before step 2 (and back before step 3 when `restore`)."""
-    from pp_tp.trainer import train
+    from pp_tp.train.trainer import train
 
     pipes, saved = [], {}
     build = pp_tp.build_pipeline

@@ -14,7 +14,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import pp_tp
-from pp_tp.cli import main
+from pp_tp.cli.main import main
 from pp_tp.config import load_config
 from pp_tp.errors import ConfigError
 from pp_tp.mesh import MESH_DIMS, mesh_shape

@@ -19,12 +19,12 @@ from torch.distributed.tensor import DTensor
 from pp_tp._torch import is_compiled
 from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
+from pp_tp.layout import layout_for
 from pp_tp.models.reference import REFERENCE
 from pp_tp.parallel import apply
 from pp_tp.parallel.activation_checkpoint import apply_activation_checkpoint, is_checkpointed
 from pp_tp.parallel.compile import apply_compile
-from pp_tp.stages.layouts import layout_for
-from pp_tp.stages.plan import plan_stages
+from pp_tp.split.plan import plan_stages
 from pp_tp.stages.stage_module import StageModule
 
 ATTN_LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo")

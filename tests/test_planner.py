@@ -12,14 +12,14 @@ import torch
 from torch import nn
 
 import pp_tp
+from pp_tp.layout import layout_for
 from pp_tp.models.factory import build_model
 from pp_tp.parallel.activation_checkpoint import apply_activation_checkpoint
 from pp_tp.planner import SavedActivations, peak_held_bytes, plan_job
-from pp_tp.schedules.loss import TokenSumLoss
-from pp_tp.stages.layouts import layout_for
-from pp_tp.stages.plan import plan_stages
+from pp_tp.planner.schedule_sim import schedule_actions
+from pp_tp.runtime.loss import TokenSumLoss
+from pp_tp.split.plan import plan_stages
 from pp_tp.stages.stage_module import StageModule
-from pp_tp.timeline import schedule_actions
 
 TINY = """
 [model]

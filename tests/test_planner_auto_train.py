@@ -10,8 +10,8 @@ import sys
 
 from train_utils import job, to_toml
 
-from pp_tp import launch
-from pp_tp.cli import main
+from pp_tp.cli import launch
+from pp_tp.cli.main import main
 from pp_tp.config import config_from_dict
 from pp_tp.planner import plan_job, resolve_auto
 

@@ -97,7 +97,7 @@ def measure_case(d: dict) -> dict:
     """Builds the job, runs two AdamW steps under LiveStorageBytes; this rank's coordinates and peak."""
     import pp_tp
     from pp_tp.models.factory import build_model
-    from pp_tp.trainer import build_optimizers
+    from pp_tp.train.trainer import build_optimizers
 
     cfg = config_from_dict(d, world_size=4)
     p = cfg.parallel

@@ -7,14 +7,14 @@ import json
 
 import pytest
 
-from pp_tp.cli import main
+from pp_tp.cli.main import main
 from pp_tp.config import config_from_dict
 from pp_tp.errors import ConfigError
+from pp_tp.layout import layout_for
 from pp_tp.models.factory import build_model
 from pp_tp.planner import plan_job
 from pp_tp.planner.layout_eval import LayoutEvaluator
 from pp_tp.planner.search import _layouts
-from pp_tp.stages.layouts import layout_for
 
 JOB = {
     "model": {"vocab_size": 256, "dim": 64, "n_layers": 8, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 96},

@@ -21,7 +21,7 @@ import torch, torch.nn.functional as F
 import pp_tp
 from pp_tp.config import ParallelConfig, config_from_dict
 from pp_tp.schedules.registry import schedule_names
-from pp_tp.stages.layouts import layout_for
+from pp_tp.layout import layout_for
 from pp_tp_testplugin import TinyLM
 
 os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])

@@ -11,11 +11,11 @@ import torch
 
 from pp_tp.config import ParallelConfig, resolve_parallel
 from pp_tp.errors import ConfigError
+from pp_tp.layout import layout_for
 from pp_tp.models.reference import REFERENCE
 from pp_tp.models.reference.model import ModelArgs, Transformer
-from pp_tp.stages import cost
-from pp_tp.stages.layouts import layout_for
-from pp_tp.stages.plan import _minmax_partition, plan_stages
+from pp_tp.split import cost
+from pp_tp.split.plan import _minmax_partition, plan_stages
 from pp_tp.stages.stage_module import StageModule
 
 

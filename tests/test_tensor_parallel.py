@@ -15,10 +15,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import pp_tp
 from pp_tp.errors import ConfigError
+from pp_tp.layout import layout_for
 from pp_tp.models.reference import REFERENCE
 from pp_tp.parallel.tensor_parallel import block_plan, check_tp_plan, verify
-from pp_tp.stages.layouts import layout_for
-from pp_tp.stages.plan import plan_stages
+from pp_tp.split.plan import plan_stages
 from pp_tp.stages.stage_module import StageModule
 
 QKB = dataclasses.replace(TINY, qk_norm=True, attn_bias=True)  # GQA: 4 heads, 2 kv heads

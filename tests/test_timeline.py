@@ -7,15 +7,8 @@ import parity_utils as pu
 import pytest
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from pp_tp.timeline import (
-    Span,
-    bubble_fraction,
-    chrome_trace,
-    record_step,
-    schedule_actions,
-    simulate,
-    theoretical_bubble,
-)
+from pp_tp.diagnostics.timeline import chrome_trace, record_step
+from pp_tp.planner.schedule_sim import Span, bubble_fraction, schedule_actions, simulate, theoretical_bubble
 
 
 @pytest.mark.parametrize(

@@ -14,9 +14,9 @@ import torch
 from train_utils import CORPUS, REPO, job, to_toml, train_case
 
 from pp_tp.config import config_from_dict
-from pp_tp.data import ShardedBatches, SyntheticSource, TextSource, corpus_text, make_source
 from pp_tp.errors import ConfigError
-from pp_tp.trainer import lr_factor
+from pp_tp.train.data import ShardedBatches, SyntheticSource, TextSource, corpus_text, make_source
+from pp_tp.train.trainer import lr_factor
 
 KILL_ENTRY = os.path.join(os.path.dirname(__file__), "kill_entry.py")
 
@@ -29,7 +29,7 @@ def test_lr_warms_up_linearly_then_decays_by_cosine_to_min_ratio():
 
 
 def test_mfu_uses_the_device_table_and_is_left_out_when_the_peak_is_unknown():
-    from pp_tp.metrics import MetricsLogger, peak_flops
+    from pp_tp.train.metrics import MetricsLogger, peak_flops
 
     assert peak_flops("NVIDIA H100 80GB HBM3") == 989e12 and peak_flops("NVIDIA H100 PCIe") == 756e12
     assert peak_flops("NVIDIA A100-SXM4-80GB") == 312e12 and peak_flops("cpu") is None
@@ -151,10 +151,10 @@ def test_pp_tp_train_runs_4_ranks_from_toml_and_learns(tmp_path):
 
 
 def test_bad_config_fails_before_spawning_any_rank(monkeypatch, capsys):
-    from pp_tp.cli import main
+    from pp_tp.cli.main import main
 
     monkeypatch.chdir(REPO)
-    monkeypatch.setattr("pp_tp.launch.run_under_torchrun", lambda *a, **k: pytest.fail("ranks were spawned"))
+    monkeypatch.setattr("pp_tp.cli.launch.run_under_torchrun", lambda *a, **k: pytest.fail("ranks were spawned"))
     assert main(["train", "--config", "toml_configs/debug_cpu.toml", "--nproc", "4", "model.vocab_size=200"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: model.vocab_size = 200") and len(err.splitlines()) == 1
@@ -248,7 +248,7 @@ def foreach_case() -> dict:
 
     import pp_tp
     from pp_tp.config import TrainingConfig
-    from pp_tp.trainer import build_optimizers
+    from pp_tp.train.trainer import build_optimizers
 
     pcfg = pu.pcfg_of(tp=2)
     t = TrainingConfig()

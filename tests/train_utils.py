@@ -59,6 +59,6 @@ def _world(d: dict) -> int:
 def train_case(d: dict) -> list[dict]:
     """A harness case: runs the job on this world's ranks; every rank returns its metrics rows."""
     from pp_tp.config import config_from_dict
-    from pp_tp.trainer import train
+    from pp_tp.train.trainer import train
 
     return [{k: r[k] for k in ("step", "loss", "grad_norm", "lr")} for r in train(config_from_dict(d))]

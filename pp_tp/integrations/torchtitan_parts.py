@@ -12,7 +12,7 @@ from torch import nn
 
 from pp_tp.errors import ConfigError
 from pp_tp.models.torchtitan import set_step_kwargs
-from pp_tp.schedules.pipeline import Pipeline
+from pp_tp.runtime.pipeline import Pipeline
 from pp_tp.seeded_init import default_init_std, seeded_value
 from pp_tp.tensor_utils import copy_full_
 

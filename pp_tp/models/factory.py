@@ -9,9 +9,9 @@ from torch import nn
 
 from pp_tp.config import ModelConfig
 from pp_tp.errors import ConfigError
+from pp_tp.layout import layout_for
 from pp_tp.models.hf.build import hf_causal_lm, hf_config
 from pp_tp.models.reference.model import ModelArgs, Transformer
-from pp_tp.stages.layouts import layout_for
 
 
 def model_args(mcfg: ModelConfig) -> ModelArgs:

@@ -7,7 +7,7 @@ The stage module itself is the root FSDP module: torch's PipelineStage checks
 ``parallel.fsdp_grad_reduce``: "step" (torch's way: unsharded gradients accumulate until the step's one
 reduce-scatter), "microbatch" or an int k (reduce-scatter after every k-th microbatch backward of a
 stage, accumulating sharded: ceil(m / k) reduce-scatters per unit per step; see
-pp_tp.schedules.grad_reduce). ``parallel.grad_accum_dtype`` "bf16" accumulates the unsharded gradients
+pp_tp.runtime.grad_reduce). ``parallel.grad_accum_dtype`` "bf16" accumulates the unsharded gradients
 (and reduce-scatters) in bf16; the sharded gradient stays fp32.
 
 ``parallel.fsdp_reshard_after_forward``:

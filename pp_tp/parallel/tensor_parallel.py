@@ -32,7 +32,7 @@ from torch.distributed.tensor.parallel import (
 
 from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
-from pp_tp.stages.layouts import ModelLayout
+from pp_tp.layout import ModelLayout
 
 if TYPE_CHECKING:  # annotations only: parallel/ is applied to stage modules, it does not build them
     from pp_tp.stages.stage_module import StageModule

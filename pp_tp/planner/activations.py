@@ -13,7 +13,7 @@ from torch.distributed.fsdp import FSDPModule
 from pp_tp._torch import local_tensor
 from pp_tp.config import ParallelConfig
 from pp_tp.parallel.activation_checkpoint import is_checkpointed
-from pp_tp.schedules.loss import TokenSumLoss
+from pp_tp.runtime.loss import TokenSumLoss
 from pp_tp.stages.stage_module import StageModule
 
 

@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from pp_tp._torch import FakeTensorMode
 from pp_tp.config import JobConfig, ParallelConfig, validate
+from pp_tp.layout import layout_for
 from pp_tp.mesh import MESH_DIMS, mesh_shape
 from pp_tp.models.factory import build_model
 from pp_tp.parallel.fsdp import for_pp_rank
@@ -17,10 +18,9 @@ from pp_tp.planner.auto import resolve_policies
 from pp_tp.planner.estimates import ScheduleEstimate, candidate_schedules, schedule_estimate
 from pp_tp.planner.fake_world import fake_world
 from pp_tp.planner.memory import RankMemory, StageCost, rank_memory, settle, stage_cost
-from pp_tp.stages.layouts import layout_for
-from pp_tp.stages.plan import StagePlan, StageSpec, plan_stages
+from pp_tp.planner.schedule_sim import schedule_actions
+from pp_tp.split.plan import StagePlan, StageSpec, plan_stages
 from pp_tp.stages.stage_module import StageModule
-from pp_tp.timeline import schedule_actions
 
 
 @dataclass

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
 from pp_tp.planner.memory import RankMemory, peak_held_bytes
+from pp_tp.planner.schedule_sim import bubble_fraction, schedule_actions, simulate, theoretical_bubble
 from pp_tp.planner.walk import Walk, walk_step
 from pp_tp.schedules.registry import check_schedule, get_schedule_spec, is_csv_schedule
-from pp_tp.timeline import bubble_fraction, schedule_actions, simulate, theoretical_bubble
 
 # Schedules compared against the configured one, by stage->rank mapping and stages per rank.
 _SINGLE_STAGE = ("GPipe", "1F1B")

@@ -18,10 +18,10 @@ from pp_tp.config.validate import per_rank
 from pp_tp.parallel.fsdp import for_pp_rank, uses_fsdp
 from pp_tp.planner.auto import GIB, options
 from pp_tp.planner.memory import RankMemory, rank_memory, settle, stage_policy
+from pp_tp.planner.schedule_sim import bubble_fraction, schedule_actions, simulate
 from pp_tp.planner.stage_costs import StageCostCache
 from pp_tp.planner.walk import Walk, walk_step
-from pp_tp.stages.plan import StagePlan, plan_stages
-from pp_tp.timeline import bubble_fraction, schedule_actions, simulate
+from pp_tp.split.plan import StagePlan, plan_stages
 
 
 @dataclass

@@ -12,11 +12,11 @@ from torch.distributed.tensor import DTensor
 
 from pp_tp._torch import Action, FakeTensorMode
 from pp_tp.config import ParallelConfig
+from pp_tp.layout import ModelDims
 from pp_tp.parallel.apply import parallelize_stage
 from pp_tp.parallel.fsdp import grad_reduce_every, keeps_params_gathered, uses_fsdp
 from pp_tp.planner.activations import stage_activation_bytes
 from pp_tp.planner.walk import StageBytes, StagePolicy, Walk
-from pp_tp.stages.layouts import ModelDims
 from pp_tp.stages.stage_module import StageModule
 
 FP32 = 4

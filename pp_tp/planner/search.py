@@ -1,7 +1,7 @@
 """`pp-tp plan --search`: enumerate layouts of a job at a world size, keep those whose predicted per-rank
 peak fits, rank them by a simulated step time.
 
-Cost model (stated, not measured): a stage's compute is its analytic FLOPs (pp_tp.stages.cost: 6 x matmul
+Cost model (stated, not measured): a stage's compute is its analytic FLOPs (pp_tp.split.cost: 6 x matmul
 params + attention per token, fwd+bwd; full AC adds one forward, 1/3 of it) over tp at the device's peak
 FLOP/s; TP adds 4 ring all-reduces of [mb, seq, dim] bf16 per block per microbatch at NVLink bandwidth;
 FSDP moves the step walk's all-gather and reduce-scatter bytes ((n-1)/n of them) at NVLink bandwidth when
@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 from pp_tp.config import JobConfig
 from pp_tp.errors import ConfigError
+from pp_tp.layout import layout_for
 from pp_tp.models.factory import build_model
 from pp_tp.planner.auto import GIB, comm_bytes
 from pp_tp.planner.layout_eval import LayoutEvaluator, LayoutPlan
-from pp_tp.stages.layouts import layout_for
 
 DEVICES = {"H100": (989e12, 450e9, 50e9), "H200": (989e12, 450e9, 50e9)}  # bf16 dense FLOP/s, NVLink, IB B/s
 NODE = 8

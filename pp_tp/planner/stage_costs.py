@@ -32,7 +32,7 @@ from pp_tp.parallel.apply import parallelize_stage
 from pp_tp.planner.activations import stage_activation_bytes
 from pp_tp.planner.fake_world import fake_world
 from pp_tp.planner.memory import StageCost, boundary_extras, tp_local_numel
-from pp_tp.stages.plan import StageSpec
+from pp_tp.split.plan import StageSpec
 from pp_tp.stages.stage_module import StageModule
 
 Kind = tuple[bool, int, bool]  # (embed, blocks, head)

@@ -1,7 +1,7 @@
 """A step, action by action, on one pp rank: the bytes that come and go (saved activations, all-gathered
 parameters, unsharded gradients) and the FSDP collectives each stage issues, under its FSDP policy.
 
-The rules are FSDP2's as torch's PipelineStage drives it (pp_tp.schedules.grad_reduce adds the reducing
+The rules are FSDP2's as torch's PipelineStage drives it (pp_tp.runtime.grad_reduce adds the reducing
 backwards): a policy that keeps parameters gathered gathers each stage once, at its first forward; the
 others gather a unit for its forward and reshard after it; a backward gathers what is sharded and, unless
 it reduces and reshards, leaves the stage gathered; a non-reducing backward leaves the stage's unsharded

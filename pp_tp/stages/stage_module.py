@@ -23,8 +23,8 @@ from pp_tp._torch import (
     tree_flatten,
     wait_tensor,
 )
-from pp_tp.stages.layouts import ModelLayout
-from pp_tp.stages.plan import StageSpec
+from pp_tp.layout import ModelLayout
+from pp_tp.split.plan import StageSpec
 
 
 def _attach(root: nn.Module, model: nn.Module, fqn: str) -> None:

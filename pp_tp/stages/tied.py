@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from pp_tp._torch import local_tensor
-from pp_tp.stages.plan import StagePlan
+from pp_tp.split.plan import StagePlan
 
 
 def tied_names(model: nn.Module) -> list[list[str]]:

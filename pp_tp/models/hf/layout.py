@@ -20,11 +20,11 @@ import torch
 from torch import nn
 
 from pp_tp.errors import ConfigError
+from pp_tp.layout import ModelDims, ModelLayout
 from pp_tp.models.hf.buffers import init_buffers
 from pp_tp.models.hf.extras import after_embed, after_head
 from pp_tp.models.hf.self_check import self_check
 from pp_tp.models.hf.tp_plan import block_tp_plan
-from pp_tp.stages.layouts import ModelDims, ModelLayout
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 

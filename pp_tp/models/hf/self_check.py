@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from pp_tp.errors import ConfigError
-from pp_tp.stages.build import materialize
-from pp_tp.stages.layouts import ModelLayout
-from pp_tp.stages.plan import StageSpec
+from pp_tp.layout import ModelLayout
+from pp_tp.materialize import materialize
+from pp_tp.split.plan import StageSpec
 from pp_tp.stages.stage_module import StageModule
 from pp_tp.tensor_utils import persistent_buffers
 

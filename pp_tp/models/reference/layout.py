@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from pp_tp.layout import ModelDims, ModelLayout
 from pp_tp.models.reference.model import Transformer, param_init_std, rope_cache
-from pp_tp.stages.layouts import ModelDims, ModelLayout
 
 
 def _dims(model: Transformer) -> ModelDims:

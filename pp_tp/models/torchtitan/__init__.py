@@ -2,8 +2,8 @@
 
 import importlib.util
 
+from pp_tp.layout import register_layout
 from pp_tp.models.torchtitan.layout import TORCHTITAN_DECODER, TORCHTITAN_DECODER_QKV, set_step_kwargs
-from pp_tp.stages.layouts import register_layout
 
 AVAILABLE = importlib.util.find_spec("torchtitan") is not None
 if AVAILABLE:

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from pp_tp.errors import ConfigError
-from pp_tp.stages.layouts import ModelDims, ModelLayout
+from pp_tp.layout import ModelDims, ModelLayout
 
 _STEP_KWARGS = "_pp_tp_step_kwargs"
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.pipelining import ScheduleGPipe
 
+from pp_tp.layout import ModelDims, ModelLayout
 from pp_tp.schedules.registry import ScheduleSpec
-from pp_tp.stages.layouts import ModelDims, ModelLayout
 
 
 class Block(nn.Module):

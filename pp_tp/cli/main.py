@@ -1,7 +1,7 @@
 """`pp-tp` command line. Each subcommand is one `_add_<name>` (its arguments) and one `_<name>` (its work).
 
 Bad input ends as one `error: ...` line on stderr and exit code 2, never a traceback, and before any
-process group is started: every subcommand runs `pp_tp.job.check_job` first.
+process group is started: every subcommand runs `pp_tp.cli.job.check_job` first.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import os
 import sys
 from collections.abc import Callable
 
-from pp_tp import export, launch, parity, trainer
+from pp_tp.cli import export, launch, parity, train
+from pp_tp.cli.job import add_job_args, check_job, load_job
 from pp_tp.config import format_config, load_config
 from pp_tp.errors import ConfigError
-from pp_tp.job import add_job_args, check_job, load_job
 from pp_tp.planner import resolve_auto
 from pp_tp.planner.cli import add_plan_args, run_plan
 
@@ -103,7 +103,7 @@ def _add_parity(commands: argparse._SubParsersAction) -> None:
         "parity",
         "compare the job's pipelined build with its non-PP build",
         parity.add_parity_args,
-        lambda args: run_ranks(args, "pp_tp.parity", parity.main, data=False),
+        lambda args: run_ranks(args, "pp_tp.cli.parity", parity.main, data=False),
     )
 
 
@@ -113,7 +113,7 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
         "train",
         "train the job (under torchrun, or on --nproc local ranks)",
         add_job_args,
-        lambda args: run_ranks(args, "pp_tp.trainer", trainer.main, data=True),
+        lambda args: run_ranks(args, "pp_tp.cli.train", train.main, data=True),
     )
 
 
@@ -146,7 +146,7 @@ def _add_export(commands: argparse._SubParsersAction) -> None:
 def _export(args: argparse.Namespace) -> int:
     """One process here unless --nproc N (through torchrun) or already under torchrun."""
     if args.nproc:
-        return launch.run_under_torchrun(args.nproc, "pp_tp.export", _without_nproc(args.argv[1:]))
+        return launch.run_under_torchrun(args.nproc, "pp_tp.cli.export", _without_nproc(args.argv[1:]))
     return export.main(args.argv[1:])
 
 

@@ -13,7 +13,7 @@ from pp_tp.hf_checkpoint import has_weights
 from pp_tp.mesh import MESH_DIMS
 from pp_tp.planner import plan_job
 from pp_tp.planner.dry_run import JobPlan
-from pp_tp.schedules.pipeline import Pipeline
+from pp_tp.runtime.pipeline import Pipeline
 
 
 def dry_run(cfg: JobConfig) -> JobPlan | None:

@@ -17,13 +17,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 import pp_tp
-from pp_tp.checkpoint import complete_steps
+from pp_tp.cli.job import add_job_args, load_job
 from pp_tp.config import JobConfig, ParallelConfig
 from pp_tp.errors import ConfigError
-from pp_tp.job import add_job_args, load_job
+from pp_tp.layout import layout_for
 from pp_tp.mesh import init_distributed
 from pp_tp.models.factory import build_model
-from pp_tp.stages.layouts import layout_for
+from pp_tp.train.checkpoint import complete_steps
 
 
 def add_export_args(parser: argparse.ArgumentParser) -> None:
@@ -71,8 +71,8 @@ def export(cfg: JobConfig, out: str, step: int | None = None, max_shard_size: in
         raise ConfigError(f"pp-tp export on {world} ranks needs at least {world} layers (the model has {n_layers})")
     init_distributed(cfg.training.comm_timeout_s)
     pcfg = ParallelConfig(pp=world, dp_shard=1, schedule="GPipe", microbatches=1, mixed_precision="fp32")
-    pipe = pp_tp.build_pipeline(model, pp_tp.build_mesh(pcfg), pcfg, seed=cfg.model.seed)
-    pipe.checkpoint_dir = cfg.model.hf_path or None  # its generation_config.json goes along
+    source_dir = cfg.model.hf_path or None  # its generation_config.json goes along
+    pipe = pp_tp.build_pipeline(model, pp_tp.build_mesh(pcfg), pcfg, seed=cfg.model.seed, source_dir=source_dir)
     state = {"model": {k: v for part in pipe.model_parts for k, v in get_model_state_dict(part).items()}}
     dcp.load(state, checkpoint_id=path)
     for part in pipe.model_parts:
@@ -91,7 +91,7 @@ def _single_process_env() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Per-rank entry (torchrun), or the single process itself when RANK is unset."""
-    parser = argparse.ArgumentParser(prog="python -m pp_tp.export", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m pp_tp.cli.export", description=__doc__.splitlines()[0])
     add_export_args(parser)
     args = parser.parse_args(argv)
     if "RANK" not in os.environ:

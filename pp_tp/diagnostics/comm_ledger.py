@@ -2,7 +2,7 @@
 
 Usage (on every rank; each rank records its own traffic)::
 
-    from pp_tp.parallel.comm_ledger import CommLedger
+    from pp_tp.diagnostics.comm_ledger import CommLedger
 
     with CommLedger() as led:
         for i in range(3):

@@ -10,10 +10,10 @@ import argparse
 import dataclasses
 
 from pp_tp.config import JobConfig, load_config, validate
-from pp_tp.data import make_source
 from pp_tp.mesh import device_type
 from pp_tp.models.factory import build_model, resolve_model_config
 from pp_tp.preflight import Preflight, preflight
+from pp_tp.train.data import make_source
 
 
 def check_job(cfg: JobConfig, world_size: int | None = None, data: bool = True) -> tuple[JobConfig, Preflight]:

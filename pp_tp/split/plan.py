@@ -19,9 +19,9 @@ from torch import nn
 
 from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
+from pp_tp.layout import ModelDims, ModelLayout
 from pp_tp.schedules.registry import default_stages_per_rank, stage_owner
-from pp_tp.stages import cost
-from pp_tp.stages.layouts import ModelDims, ModelLayout
+from pp_tp.split import cost
 
 
 @dataclass

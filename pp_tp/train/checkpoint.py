@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from pp_tp.config import CheckpointConfig
-from pp_tp.data import ShardedBatches
+from pp_tp.train.data import ShardedBatches
 
 _FINAL = re.compile(r"^step-(\d+)$")
 _OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)

@@ -1,6 +1,6 @@
 """`pp-tp train`: the TOML-driven loop every rank runs: data -> Pipeline.step -> clip -> AdamW -> LR schedule.
 
-`python -m pp_tp.trainer --config F [section.key=value ...]` is the per-rank entry torchrun starts (one node
+`python -m pp_tp.cli.train --config F [section.key=value ...]` is the per-rank entry torchrun starts (one node
 or many); `pp-tp train --nproc N` spawns N local ranks through torchrun itself. With `[checkpoint] enable`,
 a run resumes from the newest checkpoint in its folder, so `torchrun --max-restarts` continues a job
 after a rank dies, with the same losses as an uninterrupted run.
@@ -8,9 +8,7 @@ after a rank dies, with the same losses as an uninterrupted run.
 
 from __future__ import annotations
 
-import argparse
 import math
-import sys
 import time
 from collections.abc import Callable
 
@@ -20,22 +18,20 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import pp_tp
-from pp_tp import run_report
-from pp_tp.checkpoint import Checkpointer, latest_checkpoint
 from pp_tp.config import JobConfig, TrainingConfig
-from pp_tp.data import ShardedBatches, dp_coords, make_source
-from pp_tp.errors import ConfigError
-from pp_tp.job import add_job_args, load_job
-from pp_tp.liveness import PeerWatch
+from pp_tp.layout import layout_for
 from pp_tp.mesh import init_distributed
-from pp_tp.metrics import MetricsLogger, peak_flops
 from pp_tp.models.factory import build_model
-from pp_tp.nonfinite import NonFiniteError, NonFiniteGuard, describe, is_finite
 from pp_tp.parallel.grads import clip_grad_norm_
 from pp_tp.planner import resolve_auto
-from pp_tp.stages import cost
-from pp_tp.stages.layouts import layout_for
-from pp_tp.validation import Validator
+from pp_tp.split import cost
+from pp_tp.train import run_report
+from pp_tp.train.checkpoint import Checkpointer, latest_checkpoint
+from pp_tp.train.data import ShardedBatches, dp_coords, make_source
+from pp_tp.train.liveness import PeerWatch
+from pp_tp.train.metrics import MetricsLogger, peak_flops
+from pp_tp.train.nonfinite import NonFiniteError, NonFiniteGuard, describe, is_finite
+from pp_tp.train.validation import Validator
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -145,8 +141,10 @@ def train(cfg: JobConfig, before_step: Callable[[int], None] | None = None) -> l
     dims = layout_for(model).dims(model)
     resume = latest_checkpoint(cfg.checkpoint.folder) if cfg.checkpoint.enable else None
     hf_dir, weights_line = run_report.initial_weights(cfg, resume)  # a DCP checkpoint wins over the HF load
-    pipe = pp_tp.build_pipeline(model, mesh, cfg.parallel, seed=cfg.model.seed, seq_len=t.seq_len, checkpoint=hf_dir)
-    pipe.checkpoint_dir = cfg.model.hf_path or None  # save_pretrained keeps its generation_config.json
+    pipe = pp_tp.build_pipeline(
+        model, mesh, cfg.parallel, seed=cfg.model.seed, seq_len=t.seq_len, checkpoint=hf_dir,
+        source_dir=cfg.model.hf_path or None,  # save_pretrained keeps its generation_config.json
+    )  # fmt: skip
     loader = ShardedBatches(source, t.batch_size, *dp_coords(mesh), seed=t.seed)
     optimizers, schedulers = build_optimizers(pipe.model_parts, t)
     ckpt = Checkpointer(cfg.checkpoint, pipe.model_parts, optimizers, schedulers, loader)
@@ -178,26 +176,3 @@ def train(cfg: JobConfig, before_step: Callable[[int], None] | None = None) -> l
     finally:
         watch.stop()
     return rows
-
-
-def main(argv: list[str] | None = None, before_step: Callable[[int], None] | None = None) -> int:
-    """Per-rank entry under torchrun; the world size comes from torchrun's environment."""
-    parser = argparse.ArgumentParser(prog="python -m pp_tp.trainer", description=__doc__.splitlines()[0])
-    add_job_args(parser)
-    args = parser.parse_args(argv)
-    try:
-        train(load_job(args), before_step)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except NonFiniteError as e:  # the same line on every rank; torchrun reports the failed ranks
-        print(f"error: {e}", file=sys.stderr)
-        return 3
-    dist.destroy_process_group()
-    return 0
-
-
-if __name__ == "__main__":
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    raise SystemExit(record(main)())

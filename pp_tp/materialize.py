@@ -21,10 +21,10 @@ from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
 from pp_tp.hf_checkpoint.load import load_stage
 from pp_tp.hf_checkpoint.source import HFSource
+from pp_tp.layout import ModelLayout
 from pp_tp.parallel.apply import parallelize_stage
 from pp_tp.seeded_init import seeded_value
-from pp_tp.stages.layouts import ModelLayout
-from pp_tp.stages.plan import StagePlan
+from pp_tp.split.plan import StagePlan
 from pp_tp.stages.stage_module import StageModule, canonical_names
 from pp_tp.tensor_utils import copy_full_, persistent_buffers
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 from torch.distributed.device_mesh import DeviceMesh
 
 from pp_tp.config import JobConfig
-from pp_tp.data import ShardedBatches, dp_coords
-from pp_tp.schedules.pipeline import Pipeline
-from pp_tp.text_tokens import TokenWindows, validation_windows
+from pp_tp.runtime.pipeline import Pipeline
+from pp_tp.train.data import ShardedBatches, dp_coords
+from pp_tp.train.text_tokens import TokenWindows, validation_windows
 
 
 class Validator:

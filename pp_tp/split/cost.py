@@ -7,7 +7,7 @@ Parameters are reported beside the cost because they set a stage's memory.
 
 from __future__ import annotations
 
-from pp_tp.stages.layouts import ModelDims
+from pp_tp.layout import ModelDims
 
 
 def block_params(d: ModelDims) -> int:

@@ -8,7 +8,7 @@ The only state is the number of samples consumed (`position`).
 
 `synthetic` generates structured English (counting, sums, weekdays, months, facts, little scenes) from
 (seed, sample index): a clear pattern a small model learns visibly, with no file at all. The shipped text
-`pp_tp/data/patterns.txt` is that generator's first paragraphs for seed 0 (`python -m pp_tp.data PATH`).
+`pp_tp/data/patterns.txt` is that generator's first paragraphs for seed 0 (`python -m pp_tp.train.data PATH`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from pp_tp.config import JobConfig
 from pp_tp.errors import ConfigError
-from pp_tp.text_tokens import train_windows
+from pp_tp.train.text_tokens import train_windows
 
 VOCAB = 256  # byte-level tokens
 
@@ -214,6 +214,6 @@ class ShardedBatches:
         self.position = int(state["position"])
 
 
-if __name__ == "__main__":  # writes the shipped corpus: python -m pp_tp.data pp_tp/data/patterns.txt
+if __name__ == "__main__":  # writes the shipped corpus: python -m pp_tp.train.data pp_tp/data/patterns.txt
     with open(sys.argv[1], "w") as f:
         f.write(corpus_text(0, 200_000))

@@ -8,8 +8,10 @@ every rank must see the same shape, as they do when the data loader feeds equal 
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,11 +26,11 @@ from pp_tp.errors import ConfigError
 from pp_tp.hf_checkpoint import save_pretrained
 from pp_tp.parallel.fsdp import grad_reduce_every, keeps_params_gathered
 from pp_tp.parallel.tensor_parallel import reduce_partial_grads
-from pp_tp.schedules.evaluate import evaluate
-from pp_tp.schedules.grad_reduce import ReducingStage
-from pp_tp.schedules.loss import TokenSumLoss, count_tokens
+from pp_tp.runtime.evaluate import forward_only, grad_state
+from pp_tp.runtime.grad_reduce import ReducingStage
+from pp_tp.runtime.loss import TokenSumLoss, count_tokens
 from pp_tp.schedules.registry import get_schedule_spec, is_csv_schedule
-from pp_tp.stages.plan import StagePlan
+from pp_tp.split.plan import StagePlan
 from pp_tp.stages.stage_module import StageModule
 from pp_tp.stages.tied import TiedWeights
 
@@ -84,38 +86,52 @@ def _gather_params_once(schedule: PipelineScheduleRuntime) -> None:
         order[rank] = [Action(s, UNSHARD, None) for s in local] + body + [Action(s, RESHARD, None) for s in local]
 
 
+@dataclass(frozen=True)
+class BuiltStages:
+    """Everything `build_pipeline` made for one rank, handed to `Pipeline` whole.
+
+    `shapes(microbatch, seq)`: the boundary tensors for a batch shape (checked against the model); `grad_factor`:
+    what FSDP divides gradients by, undone in the loss; `tied`: tied weights held by several stages; `hf_config`
+    and `source_dir`: config.json and the directory whose generation_config.json `save_pretrained` writes;
+    `checkpoint_casts`: dtype conversions made while loading an HF checkpoint (for the log)."""
+
+    stages: list[StageModule]
+    plan: StagePlan
+    mesh: DeviceMesh
+    pcfg: ParallelConfig
+    device: torch.device
+    shapes: Callable[[int, int], BoundaryShapes]
+    grad_factor: int
+    tp_loss_mesh: DeviceMesh | None = None
+    tied: TiedWeights | None = None
+    hf_config: Any = None
+    source_dir: str | None = None
+    checkpoint_casts: Counter = field(default_factory=Counter)
+
+
 class Pipeline:
     """Runs one training step of the pipelined model; see docs/design.md for the contract."""
 
-    def __init__(
-        self,
-        stages: list[StageModule],
-        plan: StagePlan,
-        mesh: DeviceMesh,
-        pcfg: ParallelConfig,
-        device: torch.device,
-        shapes_fn: Callable[[int, int], BoundaryShapes],
-        grad_factor: int,
-        tp_loss_mesh: DeviceMesh | None = None,
-    ):
-        self.model_parts: list[nn.Module] = list(stages)
-        self.plan = plan
-        self.mesh = mesh
-        self.pcfg = pcfg
-        self.device = device
-        self.stage_indices = [s.spec.index for s in stages]
-        self.has_first_stage = any(s.is_first for s in stages)
-        self.has_last_stage = any(s.is_last for s in stages)
-        self._shapes_fn = shapes_fn
-        self._grad_factor = grad_factor
-        self._loss = TokenSumLoss(tp_loss_mesh)
-        self._pp_group = mesh.get_group("pp")
-        self._dp_groups = [mesh.get_group(d) for d in ("dp_replicate", "dp_shard") if mesh[d].size() > 1]
+    def __init__(self, built: BuiltStages):
+        self.model_parts: list[nn.Module] = list(built.stages)
+        self.plan = built.plan
+        self.mesh = built.mesh
+        self.pcfg = built.pcfg
+        self.device = built.device
+        self.stage_indices = [s.spec.index for s in built.stages]
+        self.has_first_stage = any(s.is_first for s in built.stages)
+        self.has_last_stage = any(s.is_last for s in built.stages)
+        self.hf_config = built.hf_config
+        self.source_dir = built.source_dir
+        self.checkpoint_casts = built.checkpoint_casts
+        self._shapes_fn = built.shapes
+        self._grad_factor = built.grad_factor
+        self._tied = built.tied
+        self._loss = TokenSumLoss(built.tp_loss_mesh)
+        self._pp_group = built.mesh.get_group("pp")
+        self._dp_groups = [built.mesh.get_group(d) for d in ("dp_replicate", "dp_shard") if built.mesh[d].size() > 1]
         self._shape_key: tuple[int, int] | None = None
         self.schedule = None
-        self.hf_config = None  # the model's HF config (config.json on save_pretrained); set by build_pipeline
-        self.checkpoint_dir: str | None = None  # the HF directory the weights came from, if any
-        self.tied: TiedWeights | None = None  # tied weights held by several stages; set by build_pipeline
 
     def _build_schedule(self, microbatch: int, seq: int) -> None:
         shapes = self._shapes_fn(microbatch, seq)
@@ -199,14 +215,36 @@ class Pipeline:
                 ctx.enter_context(stage.reuse_block_inputs())
             self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
         reduce_partial_grads(self.model_parts)  # once per step, after the last microbatch
-        if self.tied is not None:
-            self.tied.sync(self.model_parts)
+        if self._tied is not None:
+            self._tied.sync(self.model_parts)
         return self.global_loss(losses, self._grad_factor)
 
     def save_pretrained(self, path: str, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None) -> None:
         """Writes the whole model to `path` in HF format (a collective; each pp rank writes its stages' files)."""
-        save_pretrained(self.model_parts, self.mesh, path, self.hf_config, self.checkpoint_dir, max_shard_size, dtype)
+        save_pretrained(self.model_parts, self.mesh, path, self.hf_config, self.source_dir, max_shard_size, dtype)
 
+    @torch.no_grad()
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Forward-only global mean token loss (validation); no gradient is created or changed."""
-        return evaluate(self, input_ids, labels)
+        """Forward-only global mean token loss of this DP rank's batch share (validation); every rank calls it, and
+        no gradient is created or changed (checked)."""
+        input_ids, labels, n_tokens = self.prepare_batch("Pipeline.evaluate", input_ids, labels)
+        before = grad_state(self.model_parts)
+        scale = self._loss.scale
+        self._loss.scale = 1.0 / max(n_tokens, 1)  # nothing flows back, so no FSDP mean to undo
+        losses: list[torch.Tensor] = []
+        args = (input_ids,) if self.has_first_stage else ()
+        # torch re-initializes the stages when a schedule switches between train and eval, and that cleanup
+        # sets every FSDP parameter's grad to None (stage._post_metadata_inference_cleanup): put them back.
+        grads = [(p, p.grad) for part in self.model_parts for p in part.parameters()]
+        try:
+            with self._loss.parallel(), forward_only(self.schedule):
+                self.schedule.eval(*args, target=labels if self.has_last_stage else None, losses=losses,
+                                   return_outputs=False)  # fmt: skip
+        finally:
+            self._loss.scale = scale
+            for p, g in grads:
+                p.grad = g
+        changed = [k for k, v in grad_state(self.model_parts).items() if before[k] != v]
+        if changed:
+            raise AssertionError(f"Pipeline.evaluate changed the gradient of {changed[0]}; it must be forward-only")
+        return self.global_loss(losses)

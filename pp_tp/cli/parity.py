@@ -15,13 +15,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import pp_tp
+from pp_tp.cli.job import add_job_args, load_job
 from pp_tp.config import JobConfig
 from pp_tp.errors import ConfigError
-from pp_tp.job import add_job_args, load_job
+from pp_tp.layout import layout_for
 from pp_tp.mesh import init_distributed
 from pp_tp.models.factory import build_model
 from pp_tp.seeded_init import init_weights
-from pp_tp.stages.layouts import layout_for
 from pp_tp.tensor_utils import full_tensor
 
 DEFAULT_TOL = {"fp32": 1e-4, "bf16": 5e-2}
@@ -101,8 +101,8 @@ def format_table(rows: list[tuple], tol: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Per-rank entry under torchrun: `python -m pp_tp.parity --config F [--steps N] [overrides]`."""
-    parser = argparse.ArgumentParser(prog="pp_tp.parity")
+    """Per-rank entry under torchrun: `python -m pp_tp.cli.parity --config F [--steps N] [overrides]`."""
+    parser = argparse.ArgumentParser(prog="pp_tp.cli.parity")
     add_parity_args(parser)
     args = parser.parse_args(argv)
     try:

@@ -1,0 +1,1 @@
+"""The training job around the builder: trainer, data, tokenizers, checkpoints, metrics, validation, guards."""
