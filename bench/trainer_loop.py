@@ -99,7 +99,7 @@ def main() -> None:
         f'training.metrics_file="{os.path.join(tmp, "metrics.jsonl")}"',
     ]
     cfg = load_config(a.config, overrides)
-    world_size = cfg.parallel.pp * cfg.parallel.tp * max(cfg.parallel.dp_shard, 1) * cfg.parallel.dp_replicate
+    world_size = cfg.parallel.world_size
     load = os.getloadavg()[0]
     world = World(world_size)
     try:

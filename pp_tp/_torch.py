@@ -167,6 +167,12 @@ def local_shape_and_offset(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int,
     return tuple(shape), tuple(offset)
 
 
+def storage_id(storage: torch.UntypedStorage) -> int:
+    """One number per storage, the same through every tensor and view of it, so saved activations count once per
+    storage. Public replacement: none (`data_ptr()` is 0 for every meta and fake storage, which the planner walks)."""
+    return storage._cdata
+
+
 def tensor_version(t: torch.Tensor) -> int:
     """A tensor's in-place modification counter (autograd's). Public replacement: none."""
     return t._version

@@ -11,10 +11,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from pp_tp.config import ParallelConfig, resolve_parallel
+from pp_tp.config.fsdp_policy import FsdpPolicy
 from pp_tp.hf_checkpoint import open_checked
 from pp_tp.materialize import build_local_stages
 from pp_tp.mesh import rank_device
-from pp_tp.parallel.fsdp import for_pp_rank, grad_factor
+from pp_tp.parallel.fsdp import grad_factor
 from pp_tp.preflight import Preflight, check_seq_len, preflight
 from pp_tp.runtime.pipeline import BoundaryShapes, BuiltStages, Pipeline
 from pp_tp.stages.stage_module import StageModule
@@ -42,9 +43,9 @@ def build_pipeline(
     local build run before any collective; then one exchange makes every rank refuse together (the same line) or
     go on together.
     """
-    pcfg = for_pp_rank(resolve_parallel(pcfg, dist.get_world_size()), mesh.get_local_rank("pp"))
+    pcfg, pp_rank = resolve_parallel(pcfg, dist.get_world_size()), mesh.get_local_rank("pp")
+    fsdp = FsdpPolicy.for_rank(pcfg, pp_rank)
     device = rank_device(mesh)
-    pp_rank = mesh.get_local_rank("pp")
     tied = tied_names(model)  # before the stages are materialized, which unties the shared modules
     casts: Counter = Counter()
 
@@ -53,7 +54,7 @@ def build_pipeline(
         checked = preflight(model, pcfg, mesh.device_type, seq_len)
         source = open_checked(checkpoint, model) if checkpoint else None
         stages = build_local_stages(
-            model, checked.layout, checked.plan, pp_rank, mesh, pcfg, device, seed, state_dict, source, casts
+            model, checked.layout, checked.plan, pp_rank, mesh, pcfg, fsdp, device, seed, state_dict, source, casts
         )
         return checked, stages
 
@@ -66,16 +67,16 @@ def build_pipeline(
         check_seq_len(seq, d, key="Pipeline.step: the batch's seq")
         return BoundaryShapes(microbatch, seq, d.dim, vocab_local, act_dtype)
 
-    tp_loss_mesh = mesh["tp"] if pcfg.loss_parallel and pcfg.tp > 1 else None
     built = BuiltStages(
         stages,
         plan,
         mesh,
         pcfg,
+        fsdp,
         device,
         shapes,
         grad_factor(pcfg),
-        tp_loss_mesh,
+        tp_loss_mesh=mesh["tp"] if pcfg.loss_parallel and pcfg.tp > 1 else None,
         tied=TiedWeights(tied, plan, mesh) if tied else None,
         hf_config=getattr(model, "config", None),
         source_dir=source_dir if source_dir is not None else checkpoint,

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from pp_tp.config import ParallelConfig
+from pp_tp.config.fsdp_policy import FsdpPolicy
 from pp_tp.errors import ConfigError
 from pp_tp.hf_checkpoint.load import load_stage
 from pp_tp.hf_checkpoint.source import HFSource
@@ -119,6 +120,7 @@ def build_local_stages(
     pp_rank: int,
     mesh: DeviceMesh,
     pcfg: ParallelConfig,
+    fsdp: FsdpPolicy,
     device: torch.device,
     seed: int = 0,
     state_dict: Mapping[str, torch.Tensor] | None = None,
@@ -133,7 +135,7 @@ def build_local_stages(
     for spec in plan.for_rank(pp_rank):
         stage = StageModule(model, layout, spec, aliases)
         weights = _capture_weights(stage) if has_weights else None
-        parallelize_stage(stage, mesh, pcfg)
+        parallelize_stage(stage, mesh, pcfg, fsdp)
         materialize(stage, model, device, seed, weights if weights is not None else state_dict, checkpoint, casts)
         stages.append(stage)
     return stages

@@ -72,3 +72,13 @@ def build_mesh(pcfg: ParallelConfig) -> DeviceMesh:
     init_distributed()
     shape = mesh_shape(pcfg, dist.get_world_size())
     return init_device_mesh(device_type(), shape, mesh_dim_names=MESH_DIMS)
+
+
+def dp_rank(mesh: DeviceMesh) -> int:
+    """This rank's index over both DP dims, replicate-major like the mesh: which share of a global batch it takes."""
+    return mesh["dp_replicate"].get_local_rank() * mesh["dp_shard"].size() + mesh["dp_shard"].get_local_rank()
+
+
+def dp_size(mesh: DeviceMesh) -> int:
+    """The DP degree over both DP dims: how many shares a global batch is cut into."""
+    return mesh["dp_replicate"].size() * mesh["dp_shard"].size()

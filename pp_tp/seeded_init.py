@@ -27,15 +27,24 @@ def default_init_std(fqn: str, n_layers: int) -> float | None:
     return 0.02
 
 
+def seed_of(seed: int, key: str) -> int:
+    """A generator seed from (seed, key) alone: a hash, so nearby keys or seeds give unrelated streams."""
+    digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def seeded_generator(seed: int, key: str) -> torch.Generator:
+    """A CPU generator seeded by (seed, key) alone (`seed_of`)."""
+    return torch.Generator().manual_seed(seed_of(seed, key))
+
+
 def seeded_value(seed: int, fqn: str, shape: torch.Size, std: float | None) -> torch.Tensor:
     """The full fp32 value of one parameter, a function of (seed, fqn) only."""
     if std is None:
         return torch.ones(shape)
     if std == 0.0:
         return torch.zeros(shape)
-    digest = hashlib.sha256(f"{seed}:{fqn}".encode()).digest()
-    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
-    return torch.randn(shape, generator=gen) * std
+    return torch.randn(shape, generator=seeded_generator(seed, fqn)) * std
 
 
 @torch.no_grad()

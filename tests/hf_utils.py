@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from pp_tp.parity import rel_err
 
 TINY_HF = dict(
     vocab_size=96,
@@ -41,15 +42,6 @@ def from_pretrained(path: str) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32)
-
-
-def mean_loss(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    logits = model(ids).logits
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / (b.double().norm() + 1e-30))
 
 
 def max_param_err(got: nn.Module, want: dict[str, torch.Tensor]) -> float:

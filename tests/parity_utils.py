@@ -1,5 +1,6 @@
 """Shared pieces of the multi-rank parity tests: the same weights and batch everywhere, the non-PP
-reference computed on every rank, and comparisons of loss, full gradients and updated parameters."""
+reference computed on every rank, and comparisons of loss, full gradients, updated parameters and buffers
+(the runs and comparisons are pp_tp/parity.py's, which `pp-tp parity` runs too)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,14 @@ import copy
 from dataclasses import asdict, replace
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import pp_tp
 from pp_tp.config import ModelConfig, ParallelConfig
 from pp_tp.models.factory import build_model
 from pp_tp.models.reference.model import ModelArgs
-from pp_tp.parallel.grads import clip_grad_norm_
-from pp_tp.tensor_utils import full_tensor, persistent_buffers
+from pp_tp.parity import PipelineRun, ReferenceRun, lockstep, rel_err  # noqa: F401  (tests reach pu.rel_err)
+from pp_tp.tensor_utils import full_tensor  # noqa: F401  (tests reach it as pu.full_tensor)
 
 _MESHES: dict = {}
 
@@ -72,9 +72,43 @@ def batch(args: ModelArgs, n: int, seq: int, seed: int = 1, pad: bool = True) ->
     return ids, labels
 
 
-def logits_of(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    out = model(ids)
-    return out.logits if hasattr(out, "logits") else out
+def adamw(lr: float = 1e-3):
+    """The tests' optimizer factory for ReferenceRun and PipelineRun."""
+    return lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.1, eps=ADAM_EPS)
+
+
+def reference(
+    state: dict, args: ModelArgs = TINY, hf: bool = False, lr: float = 1e-3, max_norm: float | None = None
+) -> ReferenceRun:
+    """The single-process, non-PP build on `state`."""
+    torch.manual_seed(0)
+    model = make_model(args, hf)
+    model.load_state_dict(state, strict=False)
+    return ReferenceRun(model, adamw(lr), max_norm)
+
+
+def pipeline(
+    pcfg: ParallelConfig,
+    state: dict,
+    args: ModelArgs = TINY,
+    hf: bool = False,
+    lr: float = 1e-3,
+    max_norm: float | None = None,
+) -> PipelineRun:
+    """The pipelined build on the same weights."""
+    pipe = pp_tp.build_pipeline(make_model(args, hf, device="meta"), mesh_for(pcfg), pcfg, state_dict=state)
+    return PipelineRun(pipe, adamw(lr), max_norm)
+
+
+def _record(side: ReferenceRun | PipelineRun, ids: torch.Tensor, labels: torch.Tensor, steps: int) -> dict:
+    """`steps` steps on one batch: losses, the first step's gradients, params after the steps, norms, buffers."""
+    grads = None
+    for _ in range(steps):
+        side.step(ids, labels)
+        grads = grads or {k: g.detach().clone() for k, g in side.grads().items()}
+    params = {k: p.clone() for k, p in side.params().items()}
+    buffers = {k: b.detach().clone() for k, b in side.buffers().items()}
+    return {"losses": side.losses, "grads": grads, "params": params, "norms": side.norms, "buffers": buffers}
 
 
 def reference_run(
@@ -87,30 +121,8 @@ def reference_run(
     lr: float = 1e-3,
     max_norm: float | None = None,
 ) -> dict:
-    """The single-process, non-PP build: loss, gradients and params after `steps` AdamW steps."""
-    torch.manual_seed(0)
-    model = make_model(args, hf)
-    model.load_state_dict(state, strict=False)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, eps=ADAM_EPS)
-    losses, grads, norms = [], None, []
-    for i in range(steps):
-        opt.zero_grad()
-        logits = logits_of(model, ids)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
-        loss.backward()
-        losses.append(loss.item())
-        if i == 0:
-            grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
-        if max_norm is not None:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
-        opt.step()
-    params = {k: p.detach().clone() for k, p in model.named_parameters()}
-    buffers = {k: b.detach().clone() for k, b in persistent_buffers(model).items()}
-    return {"losses": losses, "grads": grads, "params": params, "norms": norms, "buffers": buffers}
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / (b.double().norm() + 1e-30))
+    """The single-process, non-PP build: loss, gradients and params after `steps` optimizer steps."""
+    return _record(reference(state, args, hf, lr, max_norm), ids, labels, steps)
 
 
 def run_pipeline(
@@ -125,40 +137,8 @@ def run_pipeline(
     max_norm: float | None = None,
 ) -> dict:
     """The pipelined build on the same weights and batch; each DP rank takes its slice of the batch."""
-    mesh = mesh_for(pcfg)
-    model = make_model(args, hf, device="meta")
-    pipe = pp_tp.build_pipeline(model, mesh, pcfg, state_dict=state)
-    dp_rank = mesh["dp_replicate"].get_local_rank() * mesh["dp_shard"].size() + mesh["dp_shard"].get_local_rank()
-    per = ids.shape[0] // pcfg.dp
-    ids, labels = ids[dp_rank * per : (dp_rank + 1) * per], labels[dp_rank * per : (dp_rank + 1) * per]
-    params = [p for part in pipe.model_parts for p in part.parameters()]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.1, eps=ADAM_EPS)
-    losses, grads, norms = [], None, []
-    for i in range(steps):
-        opt.zero_grad()
-        losses.append(pipe.step(ids, labels).item())
-        if i == 0:
-            grads = {
-                k: full_tensor(p.grad).detach().clone() for part in pipe.model_parts for k, p in part.named_parameters()
-            }
-        if max_norm is not None:
-            norms.append(float(clip_grad_norm_(pipe.model_parts, max_norm, mesh)))
-        opt.step()
-    out = {k: full_tensor(p).detach().clone() for part in pipe.model_parts for k, p in part.named_parameters()}
-    buffers = {k: b.detach().clone() for part in pipe.model_parts for k, b in persistent_buffers(part).items()}
-    return {"losses": losses, "grads": grads, "params": out, "pipe": pipe, "norms": norms, "buffers": buffers}
-
-
-def buffer_err(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
-    """Worst relative error of a stage's persistent buffers against the reference model's (inf for a missing or
-    extra one, or a mismatched integer buffer)."""
-    errs = [0.0]
-    for k, b in got.items():
-        if k not in want or b.shape != want[k].shape:
-            return float("inf")
-        same = torch.equal(b, want[k])
-        errs.append(rel_err(b, want[k]) if b.is_floating_point() else (0.0 if same else float("inf")))
-    return max(errs)
+    run = pipeline(pcfg, state, args, hf, lr, max_norm)
+    return {**_record(run, ids, labels, steps), "pipe": run.pipe}
 
 
 def compare(
@@ -171,30 +151,24 @@ def compare(
     pad: bool = True,
     max_norm: float | None = None,
 ) -> dict:
-    """Runs both builds; returns plain numbers (picklable) for the test to assert on.
+    """Both builds in lockstep (pp_tp.parity); returns plain numbers (picklable) for the test to assert on.
 
     With `max_norm`, both clip before every optimizer step: torch's clip_grad_norm_ vs pp_tp's.
     """
     state = reference_state(args, hf)
     ids, labels = batch(args, batch_size, seq, pad=pad)
-    ref = reference_run(state, ids, labels, args, hf, steps, max_norm=max_norm)
-    got = run_pipeline(pcfg, copy.deepcopy(state), ids, labels, args, hf, steps, max_norm=max_norm)
-    grad_err = max(rel_err(g, ref["grads"][k]) for k, g in got["grads"].items())
-    param_err = max(rel_err(p, ref["params"][k]) for k, p in got["params"].items())
-    loss_err = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"]))
-    norm_err = max((abs(a - b) / b for a, b in zip(got["norms"], ref["norms"])), default=0.0)
+    ref = reference(state, args, hf, max_norm=max_norm)
+    run = pipeline(pcfg, copy.deepcopy(state), args, hf, max_norm=max_norm)
+    diffs = list(lockstep(run, ref, [(ids, labels)] * steps))
     return {
-        "buffer_err": buffer_err(got["buffers"], ref["buffers"]),
-        "loss_err": loss_err,
-        "grad_err": grad_err,
-        "param_err": param_err,
-        "losses": got["losses"],
-        "norm_err": norm_err,
-        "norms": got["norms"],
-        "ref_norms": ref["norms"],
-        "names": sorted(got["grads"]),
-        "all_names": sorted(ref["grads"]),
-        "pp_rank": got["pipe"].mesh.get_local_rank("pp"),
+        **{e: max(getattr(d, e) for d in diffs) for e in ("loss_err", "grad_err", "param_err", "buffer_err")},
+        "losses": run.losses,
+        "norm_err": max((abs(a - b) / b for a, b in zip(run.norms, ref.norms)), default=0.0),
+        "norms": run.norms,
+        "ref_norms": ref.norms,
+        "names": sorted(run.keys),
+        "all_names": sorted(ref.grads()),
+        "pp_rank": run.pipe.mesh.get_local_rank("pp"),
     }
 
 

@@ -1,6 +1,6 @@
-"""FSDP2 around pipeline stages: parity with the non-PP build (loss, full gradients, params after 3
-AdamW steps with gradient clipping, the clipped norm itself), reshard policies, HSDP, FSDP x TP, bf16
-mixed precision, and the communication ledger's once-per-step all-gather / reduce-scatter guarantee.
+"""FSDP2 around pipeline stages: the reshard policy table, and parity with the non-PP build (loss, full gradients,
+params after 3 AdamW steps with gradient clipping) over reshard policies, HSDP, FSDP x TP, bf16 mixed precision,
+activation checkpointing and compile, and gradient reduction every k microbatches.
 """
 
 from __future__ import annotations
@@ -10,17 +10,13 @@ from dataclasses import replace
 import parity_utils as pu
 import pytest
 import torch
-import torch.distributed as dist
 
-from pp_tp.config import ParallelConfig
-from pp_tp.diagnostics.comm_ledger import CommLedger
-from pp_tp.parallel.fsdp import keeps_params_gathered, reshard_after_forward, uses_fsdp
-from pp_tp.parallel.grads import clip_grad_norm_, total_grad_norm
+from pp_tp.config import ConfigError, ParallelConfig
+from pp_tp.config.fsdp_policy import FsdpPolicy, uses_fsdp
 
 # Below the TINY model's gradient norm (about 1.1-1.4 here), so clipping really scales every step.
 MAX_NORM = 0.1
 ARGS2 = replace(pu.TINY, n_layers=2)
-ARGS8 = replace(pu.TINY, n_layers=8)
 
 
 # --- single process: the policy table --------------------------------------------------------------
@@ -37,9 +33,32 @@ ARGS8 = replace(pu.TINY, n_layers=8)
     ],
 )
 def test_reshard_policy(kw, expected, gathered):
-    pcfg = ParallelConfig(dp_shard=4, **kw)
-    assert repr(reshard_after_forward(pcfg)) == repr(expected)  # None, True/False and 2 kept apart
-    assert keeps_params_gathered(pcfg) is gathered
+    policy = FsdpPolicy.for_rank(ParallelConfig(dp_shard=4, **kw), 0)
+    assert repr(policy.reshard_after_forward) == repr(expected)  # None, True/False and 2 kept apart
+    assert policy.keeps_params_gathered is gathered
+    assert policy.reshards_params is not gathered
+
+
+@pytest.mark.parametrize(
+    "kw, every",
+    [
+        (dict(fsdp_grad_reduce="step"), None),
+        (dict(fsdp_grad_reduce="microbatch"), 1),
+        (dict(fsdp_grad_reduce=2), 2),
+        (dict(fsdp_grad_reduce=4), None),  # k >= m: once per step
+        (dict(fsdp_grad_reduce=2, dp_shard=1, mixed_precision="fp32"), None),  # no FSDP
+    ],
+)
+def test_grad_reduce_policy(kw, every):
+    policy = FsdpPolicy.for_rank(ParallelConfig(**{"dp_shard": 2, "microbatches": 4, **kw}), 0)
+    assert policy.grad_reduce_every == every
+
+
+def test_policy_per_pp_rank_and_auto_refused():
+    pcfg = ParallelConfig(pp=2, dp_shard=2, microbatches=4, fsdp_reshard_after_forward=["always", "default"])
+    assert [FsdpPolicy.for_rank(pcfg, r).reshard_after_forward for r in (0, 1)] == [True, False]
+    with pytest.raises(ConfigError, match="resolved by the planner"):
+        FsdpPolicy.for_rank(replace(pcfg, fsdp_grad_reduce="auto"), 0)
 
 
 def test_fsdp_is_used_for_dp_or_bf16_only():
@@ -134,220 +153,6 @@ def test_parity_fsdp_x_tp_and_hsdp_with_pp(world):
     _assert_all(world(8).run(parity_case, WORLD8, batch_size=16), tol=1e-5)
 
 
-CLIP_CASES = [  # FSDP shards; TP shards beside plain norms (no FSDP); a tied weight on both pp ranks, vocab-parallel
-    (dict(pp=2, dp_shard=2, schedule="Interleaved1F1B", stages_per_rank=2, microbatches=2), pu.TINY),
-    (dict(pp=2, tp=2, schedule="1F1B", microbatches=2), pu.TINY),
-    (
-        dict(pp=2, tp=2, schedule="1F1B", microbatches=2, embedding="vocab_parallel"),
-        replace(pu.TINY, tie_embeddings=True),
-    ),
-]
-
-
-def clip_case() -> list[dict]:
-    """After clipping, the whole model's norm is max_norm and every full gradient is the reference's, scaled."""
-    out = []
-    for kw, args in CLIP_CASES:
-        state = pu.reference_state(args)
-        ids, labels = pu.batch(args, 8, 16)
-        ref = pu.reference_run(state, ids, labels, args)
-        got = pu.run_pipeline(pu.pcfg_of(**kw), state, ids, labels, args)  # one step: params moved, not grads
-        parts, mesh = got["pipe"].model_parts, got["pipe"].mesh
-        ref_norm = torch.nn.utils.get_total_norm(list(ref["grads"].values())).item()
-        norm = clip_grad_norm_(parts, MAX_NORM, mesh).item()
-        after = total_grad_norm(parts, mesh).item()
-        scale = MAX_NORM / (ref_norm + 1e-6)
-        err = max(
-            pu.rel_err(pu.full_tensor(p.grad), ref["grads"][part.checkpoint_keys[k]] * scale)
-            for part in parts
-            for k, p in part.named_parameters()
-        )
-        inf = total_grad_norm(parts, mesh, norm_type=float("inf")).item()
-        ref_inf = max(g.abs().max().item() for g in ref["grads"].values()) * scale
-        out.append(dict(norm=norm, ref_norm=ref_norm, after=after, grad_err=err, inf=inf, ref_inf=ref_inf))
-    return out
-
-
-def test_clip_grad_norm_scales_every_shard(world):
-    for per_rank in world(4).run(clip_case):
-        for r in per_rank:
-            assert r["norm"] == pytest.approx(r["ref_norm"], rel=1e-5) and r["ref_norm"] > MAX_NORM
-            assert r["after"] == pytest.approx(MAX_NORM, rel=1e-4)
-            assert r["grad_err"] < 1e-5
-            assert r["inf"] == pytest.approx(r["ref_inf"], rel=1e-5)
-
-
-# --- the communication ledger ----------------------------------------------------------------------
-
-
-def ledger_basics_case() -> dict:
-    """The ledger sees collectives issued from autograd backward, DTensor's functional collectives, and p2p."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-
-    class AllReduceInBackward(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, g):
-            g = g.clone()
-            dist.all_reduce(g)
-            return g
-
-    mesh = init_device_mesh("cpu", (world,))
-    with CommLedger() as led:
-        x = torch.ones(8, requires_grad=True)
-        AllReduceInBackward.apply(x).sum().backward()
-        led.next_step()
-        distribute_tensor(torch.arange(4.0 * world), mesh, [Shard(0)], src_data_rank=None).full_tensor()
-        led.next_step()
-        send, recv = torch.full((3,), float(rank)), torch.empty(3)
-        reqs = dist.batch_isend_irecv(
-            [dist.P2POp(dist.isend, send, (rank + 1) % world), dist.P2POp(dist.irecv, recv, (rank - 1) % world)]
-        )
-        for req in reqs:
-            req.wait()
-    return {
-        "steps": [led.counts(s) for s in range(3)],
-        "bytes": [led.bytes(s) for s in range(3)],
-        "sizes": sorted({e.group_size for e in led.events}),
-        "dtensor_group_ok": [e.group for e in led.events if e.step == 1] == [mesh.get_group().group_name],
-        "recv": recv.tolist(),
-    }
-
-
-def test_ledger_sees_backward_dtensor_and_p2p(world):
-    for rank, r in enumerate(world(4).run(ledger_basics_case)):
-        assert r["steps"] == [{"all_reduce": 1}, {"all_gather": 1}, {"send": 1, "recv": 1}], r
-        assert r["bytes"] == [{"all_reduce": 32}, {"all_gather": 64}, {"send": 12, "recv": 12}], r
-        assert r["sizes"] == [4] and r["dtensor_group_ok"]
-        assert r["recv"] == [float((rank - 1) % 4)] * 3
-
-
-def ledger_case(kw: dict, args=pu.TINY, steps: int = 2, gather_fix: bool = True) -> dict:
-    """FSDP traffic (dp_shard group) per step for `steps` steps, the FSDP unit count and the local param bytes.
-
-    `gather_fix=False` runs torch's own UNSHARD/RESHARD placement (the control for pytorch#164756).
-    """
-    from pp_tp.runtime import pipeline
-
-    pcfg = pu.pcfg_of(**kw)
-    mesh = pu.mesh_for(pcfg)
-    fix = pipeline._gather_params_once
-    pipeline._gather_params_once = fix if gather_fix else (lambda schedule: None)
-    try:
-        pipe = pu.pp_tp.build_pipeline(
-            pu.make_model(args, device="meta"), mesh, pcfg, state_dict=pu.reference_state(args)
-        )
-        ids, labels = pu.batch(args, 2 * pcfg.microbatches, 12)  # this DP rank's batch: microbatches of 2
-        with CommLedger() as led:
-            for _ in range(steps):
-                led.next_step()
-                for part in pipe.model_parts:
-                    part.zero_grad()
-                pipe.step(ids, labels)
-    finally:
-        pipeline._gather_params_once = fix
-    dp = mesh.get_group("dp_shard")
-    replicate = mesh.get_group("dp_replicate").group_name
-    fsdp_kinds = ("all_gather", "reduce_scatter")  # the dp group also carries the loss's scalar all-reduces
-    return {
-        "stage_units": {p.spec.index: len(p.blocks()) + (p.is_first or p.is_last) for p in pipe.model_parts},
-        "fsdp": [{k: v for k, v in led.counts(s, group=dp).items() if k in fsdp_kinds} for s in range(steps)],
-        "fsdp_bytes": [led.bytes(s, group=dp) for s in range(steps)],
-        "pp": led.counts(-1, group=mesh.get_group("pp")),
-        # HSDP's gradient all-reduces (the loss's scalar all-reduces are 8 bytes)
-        "replicate_grad_all_reduces": sum(
-            e.group == replicate and e.kind == "all_reduce" and e.nbytes > 8 for e in led.events if e.step == steps - 1
-        ),
-        "units": sum(len(p.blocks()) + (p.is_first or p.is_last) for p in pipe.model_parts),
-        "param_bytes": sum(p.numel() * 4 for part in pipe.model_parts for p in part.parameters()),
-    }
-
-
-LEDGER = [  # (schedule, stages_per_rank, args, microbatches): every multi-stage schedule, 4 stages per rank
-    ("1F1B", 1, pu.TINY, (4, 8)),
-    ("Interleaved1F1B", 2, pu.TINY, (4, 8)),
-    ("ZBVZeroBubble", 2, pu.TINY, (4, 8)),
-    ("Interleaved1F1B", 4, ARGS8, (4, 8)),
-    ("LoopedBFS", 2, pu.TINY, (4,)),
-    ("InterleavedZeroBubble", 2, pu.TINY, (4,)),
-    ("DualPipeV", 2, pu.TINY, (4,)),
-]
-
-
-def ledger_matrix_case() -> list[tuple[str, int, dict]]:
-    return [
-        (
-            f"{s} stages_per_rank={spr} microbatches={m}",
-            m,
-            ledger_case(dict(pp=2, dp_shard=2, schedule=s, stages_per_rank=spr, microbatches=m), args),
-        )
-        for s, spr, args, ms in LEDGER
-        for m in ms
-    ]
-
-
-def test_ledger_one_all_gather_and_reduce_scatter_per_unit_per_step(world):
-    for per_rank in world(4).run(ledger_matrix_case):
-        for where, m, r in per_rank:
-            for counts, nbytes in zip(r["fsdp"][1:], r["fsdp_bytes"][1:]):
-                assert counts == {"all_gather": r["units"], "reduce_scatter": r["units"]}, (where, counts)
-                # The whole local model, gathered once (FSDP pads each parameter by a few bytes at most).
-                assert nbytes["all_gather"] == nbytes["reduce_scatter"], where
-                assert r["param_bytes"] <= nbytes["all_gather"] < 1.01 * r["param_bytes"], (where, nbytes)
-            if where.startswith("1F1B"):  # one activation out and one gradient back per microbatch
-                assert r["pp"]["send"] == r["pp"]["recv"] == m, r["pp"]
-
-
-def ledger_controls_case() -> dict:
-    """Without the schedule rewrite, or with `always`, all-gathers repeat within a step: the ledger sees it.
-    With bf16 the all-gather moves bf16 parameters and the reduce-scatter fp32 gradients."""
-    four = dict(pp=2, dp_shard=2, schedule="Interleaved1F1B", stages_per_rank=4, microbatches=8)
-    always = dict(pp=2, dp_shard=2, schedule="1F1B", fsdp_reshard_after_forward="always")
-    return {
-        "torch_placement": ledger_case(four, ARGS8, gather_fix=False),
-        "always4": ledger_case(dict(always, microbatches=4)),
-        "always8": ledger_case(dict(always, microbatches=8)),
-        "bf16": ledger_case(dict(pp=2, dp_shard=2, schedule="1F1B", microbatches=4, mixed_precision="bf16")),
-    }
-
-
-def test_ledger_controls_detect_repeated_all_gathers(world):
-    for r in world(4).run(ledger_controls_case):
-        torch_placement = r["torch_placement"]
-        assert torch_placement["fsdp"][1]["all_gather"] > torch_placement["units"]
-        assert torch_placement["fsdp"][1]["reduce_scatter"] == torch_placement["units"]
-        a4, a8 = r["always4"]["fsdp"][1], r["always8"]["fsdp"][1]
-        assert r["always4"]["units"] < a4["all_gather"] < a8["all_gather"]
-        assert a4["reduce_scatter"] == a8["reduce_scatter"] == r["always4"]["units"]
-        bf16 = r["bf16"]
-        assert bf16["fsdp"][1] == {"all_gather": bf16["units"], "reduce_scatter": bf16["units"]}
-        nbytes = bf16["fsdp_bytes"][1]
-        assert bf16["param_bytes"] <= nbytes["reduce_scatter"] < 1.01 * bf16["param_bytes"], nbytes
-        assert nbytes["all_gather"] == pytest.approx(nbytes["reduce_scatter"] / 2, rel=0.01), nbytes
-
-
-def hsdp_tp_ledger_case() -> dict:
-    """World 8: FSDP x TP keeps one all-gather per unit per step; HSDP adds one all-reduce per unit on dp_replicate."""
-    tp = ledger_case(dict(pp=2, tp=2, dp_shard=2, schedule="1F1B", microbatches=4))
-    hsdp_cfg = dict(pp=2, dp_replicate=2, dp_shard=2, schedule="ZBVZeroBubble", stages_per_rank=2, microbatches=4)
-    return {"tp": tp, "hsdp": ledger_case(hsdp_cfg)}
-
-
-def test_ledger_fsdp_x_tp_and_hsdp(world):
-    for r in world(8).run(hsdp_tp_ledger_case):
-        for key in ("tp", "hsdp"):
-            units = r[key]["units"]
-            assert r[key]["fsdp"][1] == {"all_gather": units, "reduce_scatter": units}, (key, r[key])
-        assert r["hsdp"]["replicate_grad_all_reduces"] == r["hsdp"]["units"], r["hsdp"]
-        assert r["tp"]["replicate_grad_all_reduces"] == 0
-
-
 # --- gradient reduction every k microbatches (parallel.fsdp_grad_reduce) --------------------------
 
 
@@ -371,42 +176,3 @@ GRAD_REDUCE = [
 
 def test_parity_grad_reduce_every_k_microbatches(world):
     _assert_all(world(4).run(parity_case, GRAD_REDUCE), tol=1e-5)
-
-
-def grad_reduce_ledger_case() -> list[tuple[dict, dict]]:
-    out = []
-    for schedule, spr in (("1F1B", 1), ("GPipe", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2)):
-        for reshard in ("default", "always"):
-            for reduce in ("step", "microbatch", 3):
-                if schedule == "ZBVZeroBubble" and reshard == "always":
-                    continue  # refused: torch leaves weight gradients unset
-                kw = dict(pp=2, dp_shard=2, schedule=schedule, stages_per_rank=spr, microbatches=4)
-                kw.update(fsdp_reshard_after_forward=reshard, fsdp_grad_reduce=reduce)
-                out.append((kw, ledger_case(kw)))
-    return out
-
-
-def test_ledger_grad_reduce_counts_per_unit(world):
-    """Reduce-scatters per unit = ceil(m / k); all-gathers as the planner's step walk predicts for the policy."""
-    from pp_tp.parallel.fsdp import for_pp_rank
-    from pp_tp.planner.memory import stage_policy
-    from pp_tp.planner.schedule_sim import schedule_actions
-    from pp_tp.planner.walk import StageBytes, walk_step
-
-    for pp_rank, per_rank in enumerate(world(4).run(grad_reduce_ledger_case)[::2]):  # dp_shard rank 0 of each pp
-        for kw, r in per_rank:
-            pcfg = for_pp_rank(pu.pcfg_of(**kw), pp_rank)
-            actions = schedule_actions(kw["schedule"], 2, 4, kw["stages_per_rank"])[pp_rank]
-            units = r["stage_units"]
-            walk = walk_step(actions, {s: StageBytes(1) for s in units}, {s: stage_policy(pcfg) for s in units}, 4)
-            k = {"step": 4, "microbatch": 1}.get(kw["fsdp_grad_reduce"], kw["fsdp_grad_reduce"])
-            assert all(n == -(-4 // k) for n in walk.reduce_scatters.values()), (kw, walk)
-            expected = {
-                "all_gather": sum(walk.all_gathers[s] * n for s, n in units.items()),
-                "reduce_scatter": sum(walk.reduce_scatters[s] * n for s, n in units.items()),
-            }
-            assert r["fsdp"][1] == expected, (kw, r["fsdp"][1], expected)
-            gathers_per_unit = {("default", "step"): 1, ("always", "step"): 5, ("always", "microbatch"): 8}
-            key = (kw["fsdp_reshard_after_forward"], kw["fsdp_grad_reduce"])
-            if key in gathers_per_unit:  # m = 4: each forward, then backwards that find the unit sharded
-                assert set(walk.all_gathers.values()) == {gathers_per_unit[key]}, (kw, walk)

@@ -15,12 +15,7 @@ import torch.distributed as dist
 import pp_tp
 from pp_tp.errors import ConfigError
 from pp_tp.hf_checkpoint import open_checked
-
-
-def _dp_slice(mesh, pcfg, t: torch.Tensor) -> torch.Tensor:
-    dp_rank = mesh["dp_replicate"].get_local_rank() * mesh["dp_shard"].size() + mesh["dp_shard"].get_local_rank()
-    per = t.shape[0] // pcfg.dp
-    return t[dp_rank * per : (dp_rank + 1) * per]
+from pp_tp.parity import PipelineRun, ReferenceRun, lockstep, rel_err
 
 
 def roundtrip_case(tmp: str, pcfg_kw: dict, tie: bool, lr: float = 0.5) -> dict:
@@ -32,23 +27,19 @@ def roundtrip_case(tmp: str, pcfg_kw: dict, tie: bool, lr: float = 0.5) -> dict:
         hu.llama(config).save_pretrained(src, max_shard_size="60KB")  # several files + index
     dist.barrier()
     pcfg = pu.pcfg_of(**pcfg_kw)
-    mesh = pu.mesh_for(pcfg)
-    pipe = pp_tp.build_pipeline(hu.llama(config, "meta"), mesh, pcfg, checkpoint=src)
-    ref = hu.from_pretrained(src)
-    ids, labels = pu.batch(pu.TINY, 8, 16)
-    ref_loss = hu.mean_loss(ref, ids, labels)
-    ref_loss.backward()
-    torch.optim.SGD(ref.parameters(), lr=lr).step()
-    opt = torch.optim.SGD([p for part in pipe.model_parts for p in part.parameters()], lr=lr)
-    loss = pipe.step(_dp_slice(mesh, pcfg, ids), _dp_slice(mesh, pcfg, labels))
-    opt.step()
+    pipe = pp_tp.build_pipeline(hu.llama(config, "meta"), pu.mesh_for(pcfg), pcfg, checkpoint=src)
+
+    def sgd(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=lr)
+
+    ref = ReferenceRun(hu.from_pretrained(src), sgd)
+    step = next(lockstep(PipelineRun(pipe, sgd), ref, [pu.batch(pu.TINY, 8, 16)]))
     pipe.save_pretrained(out, max_shard_size="40KB")
-    want = {k: p.detach() for k, p in ref.named_parameters()}
     files = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
     return {
-        "loss": float(loss),
-        "ref_loss": float(ref_loss),
-        "param_err": hu.max_param_err(hu.from_pretrained(out), want),
+        "loss": step.loss,
+        "ref_loss": step.ref_loss,
+        "param_err": hu.max_param_err(hu.from_pretrained(out), ref.params()),
         "files": files,
         "src_files": sorted(f for f in os.listdir(src) if f.endswith(".safetensors")),
         "keys": sorted(json.load(open(os.path.join(out, "model.safetensors.index.json")))["weight_map"]),
@@ -89,7 +80,7 @@ def bf16_case(tmp: str) -> dict:
     named = {k: p for part in pipe.model_parts for k, p in part.named_parameters()}
     return {
         "dtypes": sorted({str(p.dtype) for p in named.values()}),
-        "err": max(hu.rel_err(p.detach(), want[k]) for k, p in named.items()),
+        "err": max(rel_err(p.detach(), want[k]) for k, p in named.items()),
         "casts": dict(pipe.checkpoint_casts),
     }
 

@@ -2,8 +2,9 @@
 
 Tiny configs built here (no downloads), fp32. Each case builds the model on CPU with random weights, runs its
 own forward + backward (mean token cross-entropy) and two AdamW steps, and the pipelined build (pp2 x tp2,
-some with dp2 and uneven padding) on the same weights and batch: loss of every step, every full gradient
-(a tied copy against the tied weight's gradient) and every parameter after the steps, relative error <= 1e-5.
+some with dp2 and uneven padding) on the same weights and batch, in lockstep (pp_tp/parity.py): after every
+step the loss, every full gradient (a tied copy against the tied weight's gradient), every parameter and the
+persistent buffers, relative error <= 1e-5.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import parity_utils as pu
 import pytest
 import torch
-import torch.nn.functional as F
 import transformers as T
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -22,7 +22,7 @@ from pp_tp.layout import layout_for
 from pp_tp.models.hf.self_check import small_config
 from pp_tp.models.reference.model import ModelArgs, Transformer
 from pp_tp.preflight import preflight
-from pp_tp.tensor_utils import full_tensor, persistent_buffers
+from pp_tp.tensor_utils import persistent_buffers
 
 VOCAB = 64
 BASE = dict(
@@ -123,60 +123,22 @@ def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def _reference(name: str, state: dict, ids: torch.Tensor, labels: torch.Tensor, steps: int) -> dict:
+def family_case(name: str, kw: dict, batch: int = 8, steps: int = 2) -> dict:
+    """Per rank: worst relative errors of loss, gradients, updated parameters and buffers against the model's own
+    run, after every step."""
+    pcfg = pu.pcfg_of(**kw)
+    state = _state(make(name))
+    ids, labels = pu.batch(ModelArgs(vocab_size=VOCAB), batch, SEQ, pad=True)
     torch.manual_seed(0)
     model = make(name)
     model.load_state_dict(state, strict=False)
     assert all(torch.equal(b, state[k]) for k, b in persistent_buffers(model).items())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, eps=pu.ADAM_EPS)
-    losses, grads = [], {}
-    for _ in range(steps):
-        opt.zero_grad()
-        logits = pu.logits_of(model, ids)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
-        loss.backward()
-        losses.append(loss.item())
-        grads = grads or {k: p.grad.clone() for k, p in model.named_parameters()}
-        opt.step()
-    params = {k: p.detach().clone() for k, p in model.named_parameters()}
-    return {"losses": losses, "grads": grads, "params": params, "buffers": persistent_buffers(model)}
-
-
-def family_case(name: str, kw: dict, batch: int = 8, steps: int = 2) -> dict:
-    """Per rank: worst relative errors of loss, gradients and updated parameters against the model's own run."""
-    pcfg = pu.pcfg_of(**kw)
-    state = _state(make(name))
-    ids, labels = pu.batch(ModelArgs(vocab_size=VOCAB), batch, SEQ, pad=True)
-    ref = _reference(name, state, ids, labels, steps)
-    mesh = pu.mesh_for(pcfg)
-    pipe = pp_tp.build_pipeline(make(name, "meta"), mesh, pcfg, state_dict=state)
-    dp = mesh["dp_replicate"].get_local_rank() * mesh["dp_shard"].size() + mesh["dp_shard"].get_local_rank()
-    per = batch // pcfg.dp
-    params = [p for part in pipe.model_parts for p in part.parameters()]
-    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, eps=pu.ADAM_EPS)
-    loss_err, grad_err = 0.0, 0.0
-    for i in range(steps):
-        opt.zero_grad()
-        loss = pipe.step(ids[dp * per : (dp + 1) * per], labels[dp * per : (dp + 1) * per]).item()
-        loss_err = max(loss_err, abs(loss - ref["losses"][i]) / abs(ref["losses"][i]))
-        if i == 0:
-            for part in pipe.model_parts:
-                for local, p in part.named_parameters():
-                    want = ref["grads"][part.checkpoint_keys[local]]
-                    grad_err = max(grad_err, pu.rel_err(full_tensor(p.grad), want))
-        opt.step()
-    param_err = max(
-        pu.rel_err(full_tensor(p).detach(), ref["params"][part.checkpoint_keys[local]])
-        for part in pipe.model_parts
-        for local, p in part.named_parameters()
-    )
-    buffers = {k: b for part in pipe.model_parts for k, b in persistent_buffers(part).items()}
+    pipe = pp_tp.build_pipeline(make(name, "meta"), pu.mesh_for(pcfg), pcfg, state_dict=state)
+    run, ref = pu.PipelineRun(pipe, pu.adamw()), pu.ReferenceRun(model, pu.adamw())
+    diffs = list(pu.lockstep(run, ref, [(ids, labels)] * steps))
     return {
-        "loss": loss_err,
-        "grad": grad_err,
-        "param": param_err,
-        "buffer": pu.buffer_err(buffers, ref["buffers"]),
-        "buffers": len(buffers),
+        **{e: max(getattr(d, e) for d in diffs) for e in ("loss_err", "grad_err", "param_err", "buffer_err")},
+        "buffers": len(run.buffers()),
         "stages": pipe.stage_indices,
     }
 
@@ -220,7 +182,7 @@ def _run_all(cases: list[tuple[str, dict]]) -> list[dict]:
 def _assert_exact(results: list[list[dict]], cases: list[tuple[str, dict]]) -> None:
     for per_rank in results:
         for (name, kw), r in zip(cases, per_rank):
-            assert r["loss"] <= TOL and r["grad"] <= TOL and r["param"] <= TOL and r["buffer"] <= TOL, (name, kw, r)
+            assert all(r[e] <= TOL for e in ("loss_err", "grad_err", "param_err", "buffer_err")), (name, kw, r)
 
 
 def test_families_match_their_own_forward_at_pp2_tp2(world):

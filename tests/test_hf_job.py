@@ -17,6 +17,7 @@ from train_utils import CORPUS, REPO, to_toml
 from pp_tp.cli.job import check_job
 from pp_tp.config import config_from_dict
 from pp_tp.errors import ConfigError
+from pp_tp.parity import mean_token_loss
 from pp_tp.train.data import ShardedBatches, make_source
 
 TOKENIZER = os.path.join(REPO, "toml_configs", "hf_tiny")
@@ -58,7 +59,7 @@ def test_hf_path_weights_and_tokenizer_train_with_validation(trained):
     cfg, _ = check_job(config_from_dict(d, world_size=4), 4, data=False)  # shape keys from config.json
     ids, labels = ShardedBatches(make_source(cfg), 8, 0, 1, seed=0).next()
     assert int(ids.max()) < 512 and int(ids.max()) > 255  # BPE ids, not bytes
-    want = float(hu.mean_loss(hu.from_pretrained(os.path.join(tmp, "hf")), ids, labels))
+    want = mean_token_loss(hu.from_pretrained(os.path.join(tmp, "hf")), ids, labels).item()
     for r in rows:  # every rank: step 1's loss is the pretrained weights' loss on the same batch
         assert abs(r[0]["loss"] - want) <= 1e-5 * want, (r[0], want)
         assert [("val_loss" in x) for x in r] == [False, True, True]

@@ -1,10 +1,12 @@
-"""House rules on pp_tp's source, checked by reading it (ast only; nothing is imported): no import circle,
-no long file or function, private torch names only in pp_tp/_torch.py, and generic folders free of models.
-See docs/design.md."""
+"""House rules on pp_tp's source, checked by reading it (ast only; nothing is imported): no import circle between
+modules or packages, the builder core apart from what is built around it, no long file or function, private names
+of other code (torch's above all) only in pp_tp/_torch.py, and generic folders free of models. See docs/design.md."""
 
 from __future__ import annotations
 
 import ast
+import re
+from collections.abc import Iterable
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "pp_tp"
@@ -19,33 +21,12 @@ FUNCTION_LEVEL_IMPORTS: dict[str, str] = {}
 # TO BE REMOVED, each as its function is split; the test fails on any other long function.
 LONG_FUNCTIONS_TO_REMOVE: set[str] = set()
 
-# Attributes of torch objects that are private; pp_tp reaches them only through pp_tp/_torch.py.
-TORCH_PRIVATE_ATTRS = {
-    "_modules",
-    "_parameters",
-    "_buffers",
-    "_local_tensor",
-    "_non_persistent_buffers_set",
-    "_compiled_call_impl",
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-    "_backward_hooks",
-    "_backward_pre_hooks",
-    "_state_dict_hooks",
-    "_load_state_dict_pre_hooks",
-    "_version",
-    "_fsdp_param_groups",
-    "_state_ctx",
-    "_root_post_backward_final_callback",
-    "_maybe_compute_loss",
-    "_wait_batch_p2p",
-    "_load_csv",
-    "_resolve_process_group",
-}
 DOOR = "_torch.py"
+# The packages built around the builder core (docs/design.md, "Folder map"); the core imports none of them.
+AROUND_CORE = ("pp_tp.train", "pp_tp.cli", "pp_tp.planner", "pp_tp.diagnostics", "pp_tp.models", "pp_tp.integrations")
+# Top-level modules outside the core: the public API and the extension points, which import models and plugins.
+FACADE = {"pp_tp", "pp_tp.extend", "pp_tp.plugins"}
+DIAGNOSTICS = "pp_tp.diagnostics"
 
 
 def _sources() -> dict[str, Path]:
@@ -67,6 +48,10 @@ def _rel(mod: str) -> str:
     return str(SOURCES[mod].relative_to(PKG.parent))
 
 
+def _in(mod: str, pkg: str) -> bool:
+    return mod == pkg or mod.startswith(pkg + ".")
+
+
 def _targets(mod: str, node: ast.Import | ast.ImportFrom) -> list[str]:
     """The pp_tp modules an import statement in `mod` loads (`from pp_tp.x import y`: pp_tp.x.y if a module)."""
     if isinstance(node, ast.Import):
@@ -80,12 +65,9 @@ def _targets(mod: str, node: ast.Import | ast.ImportFrom) -> list[str]:
     return [f"{base}.{a.name}" if f"{base}.{a.name}" in SOURCES else base for a in node.names]
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    return "TYPE_CHECKING" in ast.unparse(node.test)
-
-
 def _imports(mod: str) -> tuple[set[str], list[tuple[str, str]]]:
-    """(modules imported at import time, [(function, module) for imports inside functions])."""
+    """(modules imported at module level, [(function, module) for imports inside functions]). Imports under
+    `if TYPE_CHECKING:` count as module level: they are a dependency, and a circle through them is one too."""
     top: set[str] = set()
     inner: list[tuple[str, str]] = []
 
@@ -96,8 +78,6 @@ def _imports(mod: str) -> tuple[set[str], list[tuple[str, str]]]:
                     (top.add(t) if func is None else inner.append((func, t)))
             elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 walk(node.body, node.name)
-            elif isinstance(node, ast.If) and func is None and _is_type_checking(node):
-                continue  # annotations only, never executed
             else:
                 for field in ("body", "orelse", "finalbody", "handlers"):
                     walk([s for s in getattr(node, field, []) if isinstance(s, ast.AST)], func)
@@ -115,10 +95,12 @@ def _packages(mod: str) -> set[str]:
 
 
 GRAPH = {mod: _imports(mod)[0] for mod in SOURCES}
+# Every pp_tp module a module imports, wherever the import sits (module level, type-only, inside a function).
+ALL_IMPORTS = {mod: GRAPH[mod] | {t for _, t in _imports(mod)[1]} for mod in SOURCES}
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components with more than one module (Tarjan)."""
+    """Strongly connected components with more than one node (Tarjan)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -153,8 +135,49 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_import_cycle() -> None:
-    """Module-level imports only, an import of pp_tp.a.b counting as one of package pp_tp.a too."""
+    """Module-level imports (type-only ones included), an import of pp_tp.a.b counting as one of package pp_tp.a."""
     assert _cycles(GRAPH) == []
+
+
+def _package_of(mod: str) -> str:
+    """The node of `mod` in the package graph: pp_tp.x for pp_tp.x and every pp_tp.x.y...; pp_tp.m for a top module."""
+    return ".".join(mod.split(".")[:2])
+
+
+def _package_graph() -> dict[str, dict[str, list[str]]]:
+    """Package -> {package it imports: ["importer -> imported", ...]}, over every import; the root pp_tp left out."""
+    graph: dict[str, dict[str, list[str]]] = {_package_of(m): {} for m in SOURCES if m != "pp_tp"}
+    for mod, targets in ALL_IMPORTS.items():
+        for t in targets:
+            src, dst = _package_of(mod), _package_of(t)
+            if "pp_tp" not in (mod, t) and src != dst:
+                graph[src].setdefault(dst, []).append(f"{mod} -> {t}")
+    return graph
+
+
+def test_no_package_cycle() -> None:
+    """Between packages (pp_tp.x stands for every pp_tp.x.y), type-only and function-level imports included."""
+    graph = _package_graph()
+    cycles = _cycles({pkg: set(edges) for pkg, edges in graph.items()})
+    assert cycles == [], {f"{a} -> {b}": graph[a][b] for c in cycles for a in c for b in c if b in graph[a]}
+
+
+def test_builder_core_imports_nothing_built_around_it() -> None:
+    core = [m for m in SOURCES if m not in FACADE and not any(_in(m, p) for p in AROUND_CORE)]
+    bad = {
+        _rel(m): out for m in core if (out := sorted(t for t in ALL_IMPORTS[m] if any(_in(t, p) for p in AROUND_CORE)))
+    }
+    assert bad == {}
+
+
+def test_no_pp_tp_module_imports_diagnostics() -> None:
+    """diagnostics/ is for tests and bench: nothing in pp_tp may depend on it."""
+    bad = {
+        _rel(m): out
+        for m in SOURCES
+        if not _in(m, DIAGNOSTICS) and (out := sorted(t for t in ALL_IMPORTS[m] if _in(t, DIAGNOSTICS)))
+    }
+    assert bad == {}
 
 
 def _function_level() -> dict[str, tuple[str, str]]:
@@ -192,43 +215,132 @@ def test_no_long_function() -> None:
     assert LONG_FUNCTIONS_TO_REMOVE <= set(long), "a listed long function was split: drop it from the list"
 
 
-def _private_torch_uses(tree: ast.Module) -> list[str]:
-    """Private torch names a module reaches: imports from or of a private torch path, `torch._x` attributes,
-    and the known private attributes of torch objects (`._modules`, `._local_tensor`, ...)."""
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found += [a.name for a in node.names if a.name.startswith("torch") and _private_path(a.name)]
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch") and not node.level:
-            names = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
-            if _private_path(node.module) or names:
-                found.append(f"from {node.module} import {', '.join(a.name for a in node.names)}")
-        elif isinstance(node, ast.Attribute):
-            text = ast.unparse(node)
-            if node.attr in TORCH_PRIVATE_ATTRS or (text.startswith("torch.") and _private_path(text)):
-                found.append(text)
-        elif isinstance(node, ast.Call) and ast.unparse(node.func) in ("getattr", "setattr", "hasattr"):
-            name = node.args[1] if len(node.args) > 1 else None
-            if isinstance(name, ast.Constant) and name.value in TORCH_PRIVATE_ATTRS:
-                found.append(ast.unparse(node))
-    return found
+# --- private names ----------------------------------------------------------------------------------------------
+# An ast cannot tell whose object `obj._name` reads, so the rule goes by name: an underscore attribute pp_tp does
+# not define itself is another library's private name (torch's: `schedule._stages`, `storage._cdata`, ...).
+
+# Private names of libraries other than torch that pp_tp relies on, each with why. torch's never go here: they go
+# through pp_tp/_torch.py.
+OTHER_PRIVATE_NAMES: dict[str, str] = {
+    "_SubParsersAction": "argparse: the type of add_subparsers(), in annotations only; argparse names it nowhere else",
+    "_attn_implementation": "transformers: the config's attention choice, read and set the way transformers does",
+    "_init_weights": "transformers: a model's own per-module init rule, rerun to recompute buffers",
+    "_tp_plan": "transformers: a module's declared TP plan, honoured on any block (docs/design.md)",
+    "_param_init": "torchtitan: a module's per-parameter init rules",
+    "_init_self_buffers": "torchtitan: a RoPE module's buffer init",
+}
+# Nodes with a scope of their own: names bound inside them are neither module globals nor class attributes.
+NEW_SCOPES = (
+    ast.FunctionDef,
+    ast.AsyncFunctionDef,
+    ast.Lambda,
+    ast.ListComp,
+    ast.SetComp,
+    ast.DictComp,
+    ast.GeneratorExp,
+)
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
 
 def _private_path(dotted: str) -> bool:
-    return any(p.startswith("_") and not p.startswith("__") for p in dotted.split(".")[1:])
+    return any(_private(p) for p in dotted.split(".")[1:])
 
 
-def test_private_torch_names_only_behind_the_door() -> None:
-    uses = {_rel(m): u for m, tree in TREES.items() if SOURCES[m].name != DOOR and (u := _private_torch_uses(tree))}
+def _scope_nodes(nodes: Iterable[ast.AST]) -> Iterable[ast.AST]:
+    """The nodes of a module or class body, those inside functions and comprehensions (their own scopes) left out."""
+    for node in nodes:
+        yield node
+        if not isinstance(node, NEW_SCOPES):
+            yield from _scope_nodes(ast.iter_child_nodes(node))
+
+
+def _own_names(trees: Iterable[ast.Module]) -> set[str]:
+    """Every underscore name pp_tp defines: functions, classes and methods anywhere, module globals and class
+    attributes (dataclass fields included), and attributes it assigns on `self` or `cls`."""
+    names: set[str] = set()
+    for tree in trees:
+        names |= {n.id for n in _scope_nodes(tree.body) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                    names.add(node.attr)
+    return {n for n in names if _private(n)}
+
+
+def _private_uses(tree: ast.Module, own: set[str]) -> list[str]:
+    """Other libraries' private names a module reaches: imports of or from a private torch path, private names
+    imported from torch, `torch._x` / `torch.a._b`, and every underscore attribute not in `own` (`x._y`,
+    `getattr(x, "_y")`, `x.__dict__["_y"]`)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [f"import {a.name}" for a in node.names if a.name.startswith("torch") and _private_path(a.name)]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch") and not node.level:
+            if _private_path(node.module) or any(_private(a.name) for a in node.names):
+                found.append(f"from {node.module} import {', '.join(a.name for a in node.names)}")
+        elif isinstance(node, ast.Attribute) and _private(node.attr):
+            text = ast.unparse(node)
+            if node.attr not in own or (text.split(".")[0] == "torch" and _private_path(text)):
+                found.append(text)
+        elif isinstance(node, ast.Call) and ast.unparse(node.func) in ("getattr", "setattr", "hasattr", "delattr"):
+            name = node.args[1] if len(node.args) > 1 else None
+            if isinstance(name, ast.Constant) and isinstance(name.value, str) and _private(name.value):
+                found += [] if name.value in own else [ast.unparse(node)]
+        elif isinstance(node, ast.Subscript) and ast.unparse(node.value).endswith("__dict__"):
+            key = node.slice
+            if isinstance(key, ast.Constant) and isinstance(key.value, str) and _private(key.value):
+                found += [] if key.value in own else [ast.unparse(node)]
+    return found
+
+
+OWN = _own_names(TREES.values())
+
+
+def test_private_names_only_behind_the_door() -> None:
+    allowed = OWN | set(OTHER_PRIVATE_NAMES)
+    uses = {_rel(m): u for m, t in TREES.items() if SOURCES[m].name != DOOR and (u := _private_uses(t, allowed))}
     assert uses == {}, "reach private torch names through pp_tp/_torch.py (one line on why, and the public way)"
+    assert not set(OTHER_PRIVATE_NAMES) & OWN, "a listed name is pp_tp's own now: drop it from the list"
+    used = " ".join(u for m, t in TREES.items() if SOURCES[m].name != DOOR for u in _private_uses(t, OWN))
+    stale = {n for n in OTHER_PRIVATE_NAMES if not re.search(rf"\b{n}\b", used)}
+    assert stale == set(), "a listed name is no longer used: drop it"
+
+
+def test_private_name_check_catches_what_it_should() -> None:
+    mine = (
+        "class A:\n    _field: int = 0\n\n    def __init__(self):\n        self._mine, self.b = 1, [_x for _x in ()]\n"
+    )
+    own = _own_names([ast.parse(mine + "\n\ndef _f():\n    _local = 1\n")])
+    assert own == {"_field", "_mine", "_f"}
+    caught = {
+        "x._cdata": ["x._cdata"],
+        "func._overloadpacket": ["func._overloadpacket"],
+        "getattr(func, '_overloadpacket', None)": ["getattr(func, '_overloadpacket', None)"],
+        "schedule._stages[0]": ["schedule._stages"],
+        "del schedule.__dict__['_maybe_compute_loss']": ["schedule.__dict__['_maybe_compute_loss']"],
+        "from torch._subclasses import FakeTensorMode": ["from torch._subclasses import FakeTensorMode"],
+        "from torch.utils import _pytree": ["from torch.utils import _pytree"],
+        "import torch.distributed._functional_collectives": ["import torch.distributed._functional_collectives"],
+        "import torch.distributed.pipelining._backward as b": ["import torch.distributed.pipelining._backward"],
+        "torch._foreach_mul_(xs, 2)": ["torch._foreach_mul_"],
+        "torch.distributed._mine": ["torch.distributed._mine"],  # torch's, though pp_tp has a `_mine` too
+    }
+    for source, expected in caught.items():
+        assert _private_uses(ast.parse(source), own) == expected, source
+    for source in ("self._mine", "a._field", "getattr(self, '_mine')", "x.__class__", "from torch.nn import Linear"):
+        assert _private_uses(ast.parse(source), own) == [], source
 
 
 def test_generic_folders_import_no_model() -> None:
-    generic = ("pp_tp.stages", "pp_tp.parallel", "pp_tp.schedules")
+    generic = ("pp_tp.split", "pp_tp.stages", "pp_tp.parallel", "pp_tp.runtime", "pp_tp.schedules")
     bad = {}
     for mod in SOURCES:
         if mod.startswith(generic):
-            targets = GRAPH[mod] | {t for _, t in _imports(mod)[1]}
-            if models := sorted(t for t in targets if t == "pp_tp.models" or t.startswith("pp_tp.models.")):
+            if models := sorted(t for t in ALL_IMPORTS[mod] if _in(t, "pp_tp.models")):
                 bad[_rel(mod)] = models
     assert bad == {}

@@ -8,24 +8,18 @@ import math
 import torch
 from train_utils import job
 
-import pp_tp
 from pp_tp.config import config_from_dict
 from pp_tp.train.nonfinite import NonFiniteError
 
 
 def nan_case(d: dict, restore: bool) -> list:
     """Sets a stage-1 weight to NaN before step 2 (and back before step 3 when `restore`)."""
-    from pp_tp.train.trainer import train
+    from pp_tp.train.trainer import Trainer
 
-    pipes, saved = [], {}
-    build = pp_tp.build_pipeline
-
-    def capture(*args, **kwargs):
-        pipes.append(build(*args, **kwargs))
-        return pipes[-1]
+    trainer, saved = Trainer(config_from_dict(d)), {}
 
     def before_step(step: int) -> None:
-        for part in pipes[0].model_parts:
+        for part in trainer.pipe.model_parts:
             if part.spec.index == 1:
                 w = next(part.parameters())
                 local = w.to_local() if hasattr(w, "to_local") else w
@@ -36,13 +30,10 @@ def nan_case(d: dict, restore: bool) -> list:
                     elif step == 3 and restore:
                         local.copy_(saved["w"])
 
-    pp_tp.build_pipeline = capture
     try:
-        return [{k: r[k] for k in ("step", "loss", "skipped_steps")} for r in train(config_from_dict(d), before_step)]
+        return [{k: r[k] for k in ("step", "loss", "skipped_steps")} for r in trainer.run(before_step)]
     except NonFiniteError as e:
         return [str(e)]
-    finally:
-        pp_tp.build_pipeline = build
 
 
 def test_a_nan_on_one_stage_stops_every_rank_with_the_same_line(world):

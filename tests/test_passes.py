@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from pp_tp._torch import is_compiled
 from pp_tp.config import ParallelConfig
+from pp_tp.config.fsdp_policy import FsdpPolicy
 from pp_tp.errors import ConfigError
 from pp_tp.layout import layout_for
 from pp_tp.models.reference import REFERENCE
@@ -121,9 +122,9 @@ def pass_order_case(order: tuple[str, ...] = ()) -> dict:
     converted: list[tuple[str, tuple[int, ...]]] = []
 
     def recording(name, fn):
-        def run(stage, mesh, pcfg):
+        def run(stage, mesh, pcfg, *policy):
             seen.append((name, _snapshot(stage)))
-            changed = fn(stage, mesh, pcfg)
+            changed = fn(stage, mesh, pcfg, *policy)
             if name == "float8":
                 w = [m.weight for m in stage.modules() if _is_float8(m)]
                 converted.extend((type(p).__name__, tuple(getattr(p, "_local_tensor", p).shape)) for p in w)
@@ -135,7 +136,7 @@ def pass_order_case(order: tuple[str, ...] = ()) -> dict:
     by_name = dict(passes)
     apply.PASSES = tuple((name, recording(name, by_name[name])) for name in (order or [n for n, _ in passes]))
     try:
-        changed = apply.parallelize_stage(stage, pu.mesh_for(pcfg), pcfg)
+        changed = apply.parallelize_stage(stage, pu.mesh_for(pcfg), pcfg, FsdpPolicy.for_rank(pcfg, 0))
     finally:
         apply.PASSES = passes
     return {

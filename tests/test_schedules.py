@@ -7,16 +7,19 @@ with uneven padding, against the single-process build: loss, every full gradient
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import replace
 
 import parity_utils as pu
 import pytest
 import torch
+from torch.distributed.pipelining import schedules as torch_schedules
 
 from pp_tp.errors import ConfigError
 from pp_tp.schedules.registry import (
     ScheduleSpec,
     check_schedule,
+    get_schedule_spec,
     register_schedule,
     schedule_names,
     stage_owner,
@@ -33,8 +36,27 @@ CSV_1F1B_PP2 = "0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1\n"
 # --- registry ------------------------------------------------------------------------------------
 
 
+def _torch_schedule_classes() -> set[type]:
+    """The concrete schedules torch.distributed.pipelining.schedules defines: public subclasses of the single- and
+    multi-stage bases (the bases, and private ones like the CSV runtime and the forward-only schedule, left out)."""
+    bases = (torch_schedules.PipelineScheduleSingle, torch_schedules.PipelineScheduleMulti)
+    return {
+        cls
+        for name, cls in vars(torch_schedules).items()
+        if inspect.isclass(cls)
+        and cls.__module__ == torch_schedules.__name__
+        and issubclass(cls, bases)
+        and cls not in bases
+        and not name.startswith("_")
+        and not inspect.isabstract(cls)
+    }
+
+
 def test_every_torch_schedule_is_registered():
-    assert set(SCHEDULES) <= set(schedule_names())
+    """A schedule a new torch adds fails here until it is registered and in the parity matrix (SCHEDULES)."""
+    torch_classes = _torch_schedule_classes()
+    assert torch_classes - {get_schedule_spec(n).cls for n in schedule_names()} == set()
+    assert {get_schedule_spec(n).cls for n in SCHEDULES} == torch_classes
 
 
 @pytest.mark.parametrize(

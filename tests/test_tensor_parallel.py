@@ -96,8 +96,13 @@ def test_check_tp_plan_refuses_bad_declared_plans_before_building():
     ):
         check_tp_plan(odd, REFERENCE, pcfg_of(tp=4))
 
+    # A Linear left out beside a column-parallel one would read the sharded sub-block's replicated input: refused.
     model.layers["2"]._tp_plan = {k: v for k, v in REFERENCE.tp_plan.items() if k != "feed_forward.w3"}
-    with pytest.warns(UserWarning, match=r"\['feed_forward.w3'\] match no TP plan rule"):
+    with pytest.raises(ConfigError, match=r"parameter 'feed_forward.w3.weight' sits inside a tensor-parallel sub"):
+        check_tp_plan(model, REFERENCE, pcfg_of(tp=2))
+    # A sub-block left whole (no rule in it) runs unsharded on every TP rank: correct, wasteful, warned.
+    model.layers["2"]._tp_plan = {k: v for k, v in REFERENCE.tp_plan.items() if not k.startswith("feed_forward")}
+    with pytest.warns(UserWarning, match=r"\['feed_forward.w1', 'feed_forward.w2', 'feed_forward.w3'\] match no TP"):
         check_tp_plan(model, REFERENCE, pcfg_of(tp=2))
 
 

@@ -29,6 +29,7 @@ from pp_tp.errors import ConfigError  # noqa: E402
 from pp_tp.integrations.torchtitan import model_spec, parallel_config, pipelining_fn  # noqa: E402
 from pp_tp.integrations.torchtitan_parts import PipelineSchedule  # noqa: E402
 from pp_tp.layout import layout_for  # noqa: E402
+from pp_tp.mesh import dp_rank  # noqa: E402
 from pp_tp.tensor_utils import full_tensor  # noqa: E402
 
 VOCAB, DIM, LAYERS, SEQ, ROWS, MBS = 128, 64, 4, 16, 8, 2
@@ -176,8 +177,8 @@ def titan_case(name: str, pp: int, tp: int = 1, dp_shard: int = 1) -> dict:
     schedule, parts, first, last = _build(name, pp, tp, dp_shard)
     ids, labels, positions = _batch()
     weights = _union_of_weights(parts)
-    dp_rank = schedule.pipe.mesh["dp_shard"].get_local_rank()
-    rows = slice(dp_rank * ROWS // dp_shard, (dp_rank + 1) * ROWS // dp_shard)
+    dp = dp_rank(schedule.pipe.mesh)
+    rows = slice(dp * ROWS // dp_shard, (dp + 1) * ROWS // dp_shard)
     mine = [t[rows].split(MBS) for t in (ids, labels, positions)]
     gvt = (labels != -100).sum()  # the Trainer's global_valid_tokens: over all DP ranks
     losses = [] if last else None

@@ -7,9 +7,9 @@ import copy
 
 import parity_utils as pu
 import torch
-import torch.nn.functional as F
 
 import pp_tp
+from pp_tp.parity import dp_share, mean_token_loss
 
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 
@@ -21,14 +21,12 @@ def eval_case(kw: dict) -> dict:
     model = pu.make_model()
     model.load_state_dict(state, strict=False)
     with torch.no_grad():
-        want = F.cross_entropy(pu.logits_of(model, ids).flatten(0, 1), labels.flatten(), ignore_index=-100).item()
+        want = mean_token_loss(model, ids, labels).item()
     out = {}
     for name in SCHEDULES:  # stages_per_rank from the schedule (1, or 2 for multi-stage ones)
         pcfg = pu.pcfg_of(**kw, schedule=name, microbatches=4)
         pipe = pp_tp.build_pipeline(pu.make_model(device="meta"), pu.mesh_for(pcfg), pcfg, state_dict=state)
-        dp = pipe.mesh["dp_shard"].get_local_rank()
-        per = 8 // pcfg.dp
-        mine = (ids[dp * per : (dp + 1) * per], labels[dp * per : (dp + 1) * per])
+        mine = (dp_share(pipe.mesh, ids), dp_share(pipe.mesh, labels))
         val = float(pipe.evaluate(*mine))
         no_grads = all(p.grad is None for part in pipe.model_parts for p in part.parameters())
         train_loss = float(pipe.step(*mine))  # eval -> train switch

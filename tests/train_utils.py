@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import os
 
 import pp_tp
@@ -46,14 +47,9 @@ def job(**sections: dict) -> dict:
 
 def to_toml(d: dict) -> str:
     """The job as TOML text, for the tests that start real processes."""
-    from pp_tp.config import config_from_dict, format_config
+    from pp_tp.config import ParallelConfig, config_from_dict, format_config
 
-    return format_config(config_from_dict(d, world_size=_world(d)))
-
-
-def _world(d: dict) -> int:
-    p = d["parallel"]
-    return p.get("pp", 1) * p.get("tp", 1) * p.get("dp_replicate", 1) * max(p.get("dp_shard", 1), 1)
+    return format_config(config_from_dict(d, world_size=ParallelConfig(**d["parallel"]).world_size))
 
 
 def train_case(d: dict) -> list[dict]:
@@ -62,3 +58,15 @@ def train_case(d: dict) -> list[dict]:
     from pp_tp.train.trainer import train
 
     return [{k: r[k] for k in ("step", "loss", "grad_norm", "lr")} for r in train(config_from_dict(d))]
+
+
+def last_per_step(path: str) -> dict[int, dict]:
+    """A metrics JSONL file's step rows by step, the last one of each (a restarted attempt rewrites the steps it
+    repeats); the layout row is an event, left out."""
+    rows = {}
+    with open(path) as f:
+        for line in f:
+            row = json.loads(line)
+            if "event" not in row:
+                rows[row["step"]] = row
+    return rows

@@ -130,8 +130,7 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
 
 def _plan(args: argparse.Namespace) -> int:
     cfg, _ = check_job(load_job(args), args.world_size)
-    p = cfg.parallel
-    return run_plan(args, cfg, p.pp * p.dp_replicate * p.dp_shard * p.tp)
+    return run_plan(args, cfg, cfg.parallel.world_size)
 
 
 def _add_export(commands: argparse._SubParsersAction) -> None:

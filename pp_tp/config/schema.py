@@ -79,6 +79,11 @@ class ParallelConfig:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def world_size(self) -> int:
+        """The ranks the four degrees make; with dp_shard = -1 (the rest of the world) the fewest, dp_shard = 1."""
+        return self.pp * self.dp_replicate * max(self.dp_shard, 1) * self.tp
+
+    @property
     def num_stages(self) -> int:
         """Stages in the pipeline; needs a resolved config (`resolve_parallel` fills stages_per_rank)."""
         return self.pp * self.stages_per_rank

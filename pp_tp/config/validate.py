@@ -6,7 +6,8 @@ import dataclasses
 import os
 
 from pp_tp.config.fields import checked
-from pp_tp.config.schema import CHOICES, SPLIT_ARGS, DataConfig, JobConfig, ParallelConfig, TrainingConfig
+from pp_tp.config.fsdp_policy import check_policy_keys, schedule_reshard
+from pp_tp.config.schema import SPLIT_ARGS, DataConfig, JobConfig, ParallelConfig, TrainingConfig
 from pp_tp.config.sections import check_validation
 from pp_tp.errors import ConfigError
 from pp_tp.schedules.registry import check_schedule, default_stages_per_rank
@@ -46,9 +47,9 @@ def resolve_parallel(pcfg: ParallelConfig, world_size: int | None = None) -> Par
         )
     spr = p.stages_per_rank if p.stages_per_rank is not None else default_stages_per_rank(p.schedule, p.pp)
     p = dataclasses.replace(p, dp_shard=resolve_dp_shard(p, _world_size(p, world_size)), stages_per_rank=spr)
-    _check_reshard_group(p)
-    _check_grad_reduce(p)
-    check_schedule(p.pp, p.stages_per_rank, p.microbatches, p.schedule, _reshard_for_schedule(p))
+    check_policy_keys(p)
+    _check_grad_accum(p)
+    check_schedule(p.pp, p.stages_per_rank, p.microbatches, p.schedule, schedule_reshard(p))
     _check_split_lists(p)
     return p
 
@@ -93,62 +94,13 @@ def resolve_dp_shard(p: ParallelConfig, world: int) -> int:
     return p.dp_shard
 
 
-def per_rank(value: str | int | list[str | int], pp: int) -> list[str | int]:
-    """An FSDP policy key as one value per pp rank."""
-    return list(value) if isinstance(value, list) else [value] * pp
-
-
-def _reshard_for_schedule(p: ParallelConfig) -> str | int:
-    """The reshard policy the schedule check sees: "auto" only picks what the schedule allows."""
-    values = [v for v in per_rank(p.fsdp_reshard_after_forward, p.pp) if v not in ("auto", "default", "never")]
-    return values[0] if values else "default"
-
-
-def _check_per_rank_lists(p: ParallelConfig) -> None:
-    for key in ("fsdp_reshard_after_forward", "fsdp_grad_reduce"):
-        value = getattr(p, key)
-        if isinstance(value, list) and (len(value) != p.pp or "auto" in value):
-            raise ConfigError(
-                f"parallel.{key} = {value} must hold one policy per pp rank ({p.pp}), none of them "
-                f'"auto"; give {p.pp} entries or one policy for all ranks'
-            )
-        for v in value if isinstance(value, list) else ():
-            if isinstance(v, str) and v not in CHOICES["parallel"][key]:
-                raise ConfigError(
-                    f"parallel.{key} entry {v!r} is not one of {', '.join(CHOICES['parallel'][key])}; fix that entry"
-                )
-
-
-def _check_reshard_group(p: ParallelConfig) -> None:
-    for r in per_rank(p.fsdp_reshard_after_forward, p.pp):
-        if isinstance(r, int) and (r < 1 or p.dp_shard % r):
-            raise ConfigError(
-                f"parallel.fsdp_reshard_after_forward = {r} must be an integer >= 1 dividing "
-                f"parallel.dp_shard = {p.dp_shard} (the group size to reshard to); "
-                f'use a divisor of {p.dp_shard}, or "default", "always", "never"'
-            )
-
-
-def _check_grad_reduce(p: ParallelConfig) -> None:
-    """fsdp_grad_reduce k >= 1, bf16 accumulation only under bf16 training, "auto" only with a budget."""
-    _check_per_rank_lists(p)
-    for k in per_rank(p.fsdp_grad_reduce, p.pp):
-        if isinstance(k, int) and k < 1:
-            raise ConfigError(
-                f"parallel.fsdp_grad_reduce = {k} must be an integer >= 1 (reduce-scatter after every k-th "
-                'microbatch backward); use an integer >= 1, "microbatch" or "step"'
-            )
+def _check_grad_accum(p: ParallelConfig) -> None:
+    """bf16 gradient accumulation only under bf16 training."""
     if p.grad_accum_dtype == "bf16" and p.mixed_precision != "bf16":
         raise ConfigError(
             f'parallel.grad_accum_dtype = "bf16" needs parallel.mixed_precision = "bf16" (it is '
             f'{p.mixed_precision!r}); set parallel.grad_accum_dtype = "fp32"'
         )
-    for key in ("fsdp_reshard_after_forward", "fsdp_grad_reduce"):
-        if getattr(p, key) == "auto" and p.memory_budget_gib is None:
-            raise ConfigError(
-                f'parallel.{key} = "auto" picks the policy that fits parallel.memory_budget_gib, which is '
-                "unset; set parallel.memory_budget_gib (GiB per rank) or choose the policy yourself"
-            )
 
 
 def _check_split_lists(p: ParallelConfig) -> None:

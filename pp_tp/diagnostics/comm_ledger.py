@@ -137,7 +137,7 @@ class CommLedger(TorchDispatchMode):
         if DTensor in types:
             return NotImplemented  # let DTensor lower the op first; the collectives it issues come back here
         out = func(*args, **kwargs)
-        packet = getattr(func, "_overloadpacket", None)
+        packet = getattr(func, "overloadpacket", None)
         ns = getattr(func, "namespace", None)
         if packet is not None and ns in _NAMESPACES:
             kind = _KINDS.get(packet.__name__)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from pp_tp.errors import ConfigError
+from pp_tp.stages.stage_module import canonical_names
 from pp_tp.tensor_utils import persistent_buffers
 
 SINGLE = "model.safetensors"
@@ -73,7 +74,7 @@ class HFSource:
                     if dtype is None:
                         raise ConfigError(
                             f"checkpoint {file}: {key!r} has dtype {sl.get_dtype()}, which pp_tp cannot read; "
-                            "store weights as F32, BF16 or F16"
+                            "store weights as F32, BF16 or F16 (integer buffers as I64, I32, I16, I8, U8 or BOOL)"
                         )
                     self.entries[key] = Entry(file, tuple(sl.get_shape()), dtype)
 
@@ -94,22 +95,16 @@ class HFSource:
 
 def model_keys(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
     """(canonical key -> shape of every parameter and persistent buffer, alias -> canonical key for tied copies)."""
-    canonical: dict[int, str] = {}
-    shapes: dict[str, tuple[int, ...]] = {}
-    aliases: dict[str, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in canonical:
-            aliases[name] = canonical[id(p)]
-        else:
-            canonical[id(p)] = name
-            shapes[name] = tuple(p.shape)
+    names = canonical_names(model)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False) if names[n] == n}
     shapes.update({name: tuple(b.shape) for name, b in persistent_buffers(model).items()})
-    return shapes, aliases
+    return shapes, {name: key for name, key in names.items() if name != key}
 
 
 def check(source: HFSource, model: nn.Module) -> None:
     """Missing, unexpected or wrongly shaped keys of `source` for `model`: one ConfigError naming the first."""
     shapes, aliases = model_keys(model)
+    weights = {name for name, _ in model.named_parameters(remove_duplicate=False)}  # float only; buffers any dtype
     what = type(model).__name__
     missing = [k for k in shapes if k not in source.entries]
     if missing:
@@ -120,8 +115,12 @@ def check(source: HFSource, model: nn.Module) -> None:
     for key, e in source.entries.items():
         if key not in shapes and key not in aliases:
             raise ConfigError(
-                f"checkpoint {e.file}: unexpected key {key!r}, not a parameter of {what}; "
+                f"checkpoint {e.file}: unexpected key {key!r}, not a parameter or persistent buffer of {what}; "
                 "give the weights of this model (its config.json must match them)"
+            )
+        if key in weights and not e.dtype.is_floating_point:
+            raise ConfigError(
+                f"checkpoint {e.file}: {key!r} has dtype {e.dtype}, not a float type; store weights as F32, BF16 or F16"
             )
         want = shapes.get(aliases.get(key, key))
         if want is not None and e.shape != want:

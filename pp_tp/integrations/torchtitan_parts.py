@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -13,7 +12,8 @@ from torch import nn
 from pp_tp.errors import ConfigError
 from pp_tp.models.torchtitan import set_step_kwargs
 from pp_tp.runtime.pipeline import Pipeline
-from pp_tp.seeded_init import default_init_std, seeded_value
+from pp_tp.seeded_init import default_init_std, seed_of, seeded_value
+from pp_tp.stages.stage_module import canonical_names
 from pp_tp.tensor_utils import copy_full_
 
 STEP_KWARGS = ("positions", "attention_masks")
@@ -86,20 +86,13 @@ def init_rules(model: nn.Module) -> dict[str, Callable[[torch.Tensor], Any] | No
 
     A tied weight takes the rule of the name that does not skip it (torchtitan skips the embedding's).
     """
-    canonical: dict[int, str] = {}
     rules: dict[str, Callable[[torch.Tensor], Any] | None] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        key = canonical.setdefault(id(p), name)
+    for name, key in canonical_names(model).items():
         parent, _, leaf = name.rpartition(".")
         fn = _init_rule(model.get_submodule(parent) if parent else model, leaf)
         if rules.get(key) is None:
             rules[key] = fn
     return rules
-
-
-def _generator_seed(seed: int, key: str) -> int:
-    digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 @torch.no_grad()
@@ -118,7 +111,7 @@ def init_part(
             copy_full_(p, seeded_value(seed, key, p.shape, default_init_std(key, n_layers)))
             continue
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(_generator_seed(seed, key))
+            torch.manual_seed(seed_of(seed, key))
             full = torch.empty(p.shape, dtype=torch.float32)
             fn(full)
         copy_full_(p, full)

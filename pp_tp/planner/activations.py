@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from pp_tp._torch import local_tensor
+from pp_tp._torch import local_tensor, storage_id
 from pp_tp.config import ParallelConfig
 from pp_tp.parallel.activation_checkpoint import is_checkpointed
 from pp_tp.runtime.loss import TokenSumLoss
@@ -52,10 +52,10 @@ class SavedActivations:
     def _track(self, t: torch.Tensor, holder: object) -> None:
         """Counts `t`'s storage until `holder` is garbage-collected."""
         storage = _storage(t)
-        key = storage._cdata
+        key = storage_id(storage)
         if key in self._refs:
             self._refs[key][1] += 1
-        elif key not in {_storage(x)._cdata for x in (*self.module.parameters(), *self.module.buffers())}:
+        elif key not in {storage_id(_storage(x)) for x in (*self.module.parameters(), *self.module.buffers())}:
             self._refs[key] = [storage.nbytes(), 1]
             self.live += storage.nbytes()
             self.peak = max(self.peak, self.live)

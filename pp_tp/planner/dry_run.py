@@ -10,10 +10,10 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from pp_tp._torch import FakeTensorMode
 from pp_tp.config import JobConfig, ParallelConfig, validate
+from pp_tp.config.fsdp_policy import FsdpPolicy
 from pp_tp.layout import layout_for
 from pp_tp.mesh import MESH_DIMS, mesh_shape
 from pp_tp.models.factory import build_model
-from pp_tp.parallel.fsdp import for_pp_rank
 from pp_tp.planner.auto import resolve_policies
 from pp_tp.planner.estimates import ScheduleEstimate, candidate_schedules, schedule_estimate
 from pp_tp.planner.fake_world import fake_world
@@ -52,10 +52,9 @@ def plan_job(cfg: JobConfig, world_size: int) -> JobPlan:
     t0 = time.perf_counter()
     cfg = validate(cfg, world_size)
     # compile and float8 do not run on fake CPU tensors; they leave the accounting unchanged. Neither FSDP
-    # policy changes what a stage holds, only when: parallelize with fixed ones, walk the step with the real ones.
-    pcfg = dataclasses.replace(
-        cfg.parallel, compile=False, float8=False, fsdp_reshard_after_forward="default", fsdp_grad_reduce="step"
-    )
+    # policy changes what a stage holds, only when: parallelize with torch's, walk the step with the real ones.
+    pcfg = dataclasses.replace(cfg.parallel, compile=False, float8=False)
+    fixed = FsdpPolicy.of(pcfg, "default", "step")
     microbatch = cfg.training.batch_size // (pcfg.dp * pcfg.microbatches)
     shape = mesh_shape(pcfg, world_size)
     with fake_world(world_size):
@@ -73,20 +72,17 @@ def plan_job(cfg: JobConfig, world_size: int) -> JobPlan:
                     StageModule(model, layout, spec),
                     mesh,
                     pcfg,
+                    fixed,
                     microbatch,
                     cfg.training.seq_len,
                     layout.dims(model),
                     fake,
                 )
         costs = [[kinds[_kind(s)] for s in plan.for_rank(r)] for r in range(pcfg.pp)]
-    policies = resolve_policies(
-        [rank_memory(r, [s.index for s in plan.for_rank(r)], costs[r], pcfg) for r in range(pcfg.pp)],
-        schedule_actions(pcfg.schedule, pcfg.pp, pcfg.microbatches, pcfg.stages_per_rank),
-        cfg.parallel,
-    )
-    ranks = [
-        rank_memory(r, [s.index for s in plan.for_rank(r)], costs[r], for_pp_rank(policies, r)) for r in range(pcfg.pp)
-    ]
+    ranks = [rank_memory(r, [s.index for s in plan.for_rank(r)], costs[r], pcfg) for r in range(pcfg.pp)]
+    actions = schedule_actions(pcfg.schedule, pcfg.pp, pcfg.microbatches, pcfg.stages_per_rank)
+    policies = resolve_policies(ranks, actions, cfg.parallel)
+    ranks = [dataclasses.replace(r, policy=FsdpPolicy.for_rank(policies, r.pp_rank)) for r in ranks]
     schedules = [schedule_estimate(name, pcfg, ranks) for name in candidate_schedules(pcfg)]
     for r, walk in zip(ranks, schedules[0].walks):
         settle(r, walk)

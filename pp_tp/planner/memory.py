@@ -12,11 +12,11 @@ from torch.distributed.tensor import DTensor
 
 from pp_tp._torch import Action, FakeTensorMode
 from pp_tp.config import ParallelConfig
+from pp_tp.config.fsdp_policy import FsdpPolicy, uses_fsdp
 from pp_tp.layout import ModelDims
 from pp_tp.parallel.apply import parallelize_stage
-from pp_tp.parallel.fsdp import grad_reduce_every, keeps_params_gathered, uses_fsdp
 from pp_tp.planner.activations import stage_activation_bytes
-from pp_tp.planner.walk import StageBytes, StagePolicy, Walk
+from pp_tp.planner.walk import StageBytes, Walk
 from pp_tp.stages.stage_module import StageModule
 
 FP32 = 4
@@ -38,7 +38,7 @@ class RankMemory:
     optim_bytes: int
     act_bytes_per_microbatch: dict[int, int]
     sizes: dict[int, StageBytes] = field(default_factory=dict)  # per stage, for walk_step
-    policy: dict[int, StagePolicy] = field(default_factory=dict)
+    policy: FsdpPolicy | None = None  # set by the caller once known: "auto" is chosen from the rest of this record
     act_peak_bytes: int = 0  # the coming-and-going parts at the rank's peak moment (walk_step)
     buffer_bytes: int = 0  # torch's PipelineStage receive buffers: one per microbatch, kept across steps
     transient_bytes: int = 0  # gradients in flight during one microbatch's backward (the largest stage's)
@@ -59,21 +59,6 @@ class RankMemory:
     def total_bytes(self) -> int:
         """Everything the rank holds at its peak, to compare against the device's memory."""
         return self.peak(self.gathered_bytes + self.grad_accum_bytes + self.act_peak_bytes)
-
-    def dominant(self) -> tuple[str, int]:
-        """The largest part of total_bytes: (name, bytes)."""
-        parts = {
-            "parameters": self.param_bytes,
-            "gathered parameters": self.gathered_bytes,
-            "gradients": self.grad_bytes,
-            "unsharded gradient accumulation": self.grad_accum_bytes,
-            "optimizer states": self.optim_bytes,
-            "activations": self.act_peak_bytes,
-            "pipeline receive buffers": self.buffer_bytes,
-            "backward transients": self.transient_bytes,
-            "optimizer step temporary": self.optim_step_bytes,
-        }
-        return max(parts.items(), key=lambda kv: kv[1])
 
 
 @dataclass(frozen=True)
@@ -109,13 +94,14 @@ def stage_cost(
     stage: StageModule,
     mesh: DeviceMesh,
     pcfg: ParallelConfig,
+    fsdp: FsdpPolicy,
     microbatch: int,
     seq: int,
     dims: ModelDims,
     fake: FakeTensorMode,
 ) -> StageCost:
     """Parallelizes `stage` on meta (the real passes, on the fake world's mesh) and measures it."""
-    parallelize_stage(stage, mesh, pcfg)
+    parallelize_stage(stage, mesh, pcfg, fsdp)
     local = sum(_local_numel(p) for p in stage.parameters())
     blocks = [sum(tp_local_numel(p) for p in b.parameters()) for b in stage.blocks()]
     tp_local = sum(tp_local_numel(p) for p in stage.parameters())
@@ -147,11 +133,6 @@ def boundary_extras(
     gathered = pcfg.tp > 1 and not pcfg.loss_parallel  # the head's output all-gathered to the full vocabulary
     transient = (3 + gathered) * logits if last else 2 * microbatch * seq * (d.ffn_dim // pcfg.tp) * act
     return boundary * ((not first) + (not last)), transient
-
-
-def stage_policy(pcfg: ParallelConfig) -> StagePolicy:
-    """The walk's view of one rank's FSDP policies (`pcfg` as for_pp_rank leaves it)."""
-    return StagePolicy(keep=keeps_params_gathered(pcfg) or not uses_fsdp(pcfg), every=grad_reduce_every(pcfg))
 
 
 def rank_memory(pp_rank: int, stages: list[int], costs: list[StageCost], pcfg: ParallelConfig) -> RankMemory:
@@ -187,7 +168,6 @@ def rank_memory(pp_rank: int, stages: list[int], costs: list[StageCost], pcfg: P
         optim_bytes=ADAM_STATES * local * FP32,
         act_bytes_per_microbatch={s: c.act_bytes for s, c in zip(stages, costs)},
         sizes=sizes,
-        policy={s: stage_policy(pcfg) for s in stages},
         buffer_bytes=pcfg.microbatches * sum(c.buffer_bytes for c in costs) if pcfg.pp > 1 else 0,
         transient_bytes=max(c.transient_bytes for c in costs),
         optim_step_bytes=max(c.local for c in costs) * FP32,

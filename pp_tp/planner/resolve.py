@@ -7,7 +7,7 @@ import dataclasses
 import os
 
 from pp_tp.config import JobConfig
-from pp_tp.config.validate import per_rank
+from pp_tp.config.fsdp_policy import per_rank
 from pp_tp.planner.auto import GIB
 from pp_tp.planner.dry_run import plan_job
 
@@ -19,8 +19,7 @@ def has_auto(cfg: JobConfig) -> bool:
 
 def world_size_of(cfg: JobConfig) -> int:
     """$WORLD_SIZE under torchrun, else the product of the configured degrees."""
-    p = cfg.parallel
-    return int(os.environ.get("WORLD_SIZE") or p.pp * p.tp * p.dp_replicate * max(p.dp_shard, 1))
+    return int(os.environ.get("WORLD_SIZE") or cfg.parallel.world_size)
 
 
 def resolve_auto(cfg: JobConfig, world_size: int | None = None) -> tuple[JobConfig, str | None]:

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from pp_tp._torch import FakeTensorMode
 from pp_tp.config import JobConfig
+from pp_tp.config.fsdp_policy import FsdpPolicy
 from pp_tp.mesh import MESH_DIMS
 from pp_tp.models.factory import build_model
 from pp_tp.parallel.apply import parallelize_stage
@@ -100,7 +101,7 @@ class StageCostCache:
             for kind in kinds:
                 model = build_model(self._small, "meta")  # the passes change the model's modules in place
                 stage = StageModule(model, self.layout, self._spec(kind))
-                parallelize_stage(stage, mesh, pcfg)
+                parallelize_stage(stage, mesh, pcfg, FsdpPolicy.for_rank(pcfg, 0))
                 shapes = Counter(_shape(p) for p in stage.parameters())
                 blocks = [sum(tp_local_numel(p) for p in b.parameters()) for b in stage.blocks()]
                 total = sum(tp_local_numel(p) for p in stage.parameters())

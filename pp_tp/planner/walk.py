@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from torch.distributed.pipelining.schedules import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, OVERLAP_F_B
 
 from pp_tp._torch import Action
+from pp_tp.config.fsdp_policy import FsdpPolicy
 
 
 @dataclass(frozen=True)
@@ -28,14 +29,6 @@ class StageBytes:
     unit_gathered: int = 0
     grads: int = 0
     unit_grads: int = 0
-
-
-@dataclass(frozen=True)
-class StagePolicy:
-    """keep: parameters stay gathered for the step; every: reduce after every k-th backward (None: once)."""
-
-    keep: bool = True
-    every: int | None = None
 
 
 @dataclass
@@ -64,8 +57,9 @@ class _Flags(dict):
 
 
 class _Rank:
-    def __init__(self, sizes: dict[int, StageBytes], policy: dict[int, StagePolicy], microbatches: int):
-        self.sizes, self.policy, self.m = sizes, policy, microbatches
+    def __init__(self, sizes: dict[int, StageBytes], policy: FsdpPolicy, microbatches: int):
+        self.sizes, self.m = sizes, microbatches
+        self.keep, self.every = not policy.reshards_params, policy.grad_reduce_every
         self.acts = 0
         self.gathered = _Flags({s: z.gathered for s, z in sizes.items()})
         self.grads_held = _Flags({s: z.grads for s, z in sizes.items()})
@@ -87,7 +81,7 @@ class _Rank:
             self.out.all_gathers[s] += 1
 
     def forward(self, s: int) -> None:
-        size, keep = self.sizes[s], self.policy[s].keep
+        size, keep = self.sizes[s], self.keep
         self._gather(s)
         self.acts += size.act
         self.gathered[s] = keep or self.gathered[s]
@@ -95,36 +89,35 @@ class _Rank:
         self.gathered[s] = keep
 
     def backward(self, s: int, weight_only: bool = False) -> None:
-        size, policy = self.sizes[s], self.policy[s]
+        size, keep, every = self.sizes[s], self.keep, self.every
         if not weight_only:
             self._gather(s)
         self.backwards[s] += 1
         n = self.backwards[s]
-        if policy.every is None or (n % policy.every and n < self.m):
+        if every is None or (n % every and n < self.m):
             self.gathered[s] = self.grads_held[s] = True  # torch's nosync backward: all gathered, grads kept
             self._note()
             if n == self.m:  # torch's REDUCE_GRAD at the step's end
                 self.out.reduce_scatters[s] += 1
                 self.grads_held[s] = False
-                self.gathered[s] = policy.keep
+                self.gathered[s] = keep
         elif weight_only:  # the whole stage's weight gradients, then reduced
             self.grads_held[s] = False
             self._note(0, size.grads)
             self.out.reduce_scatters[s] += 1
         else:  # unit by unit: gathered (unless kept) and reduced as its backward finishes
             self.grads_held[s] = False
-            self.gathered[s] = policy.keep
-            self._note(0 if policy.keep else size.unit_gathered, size.unit_grads)
+            self.gathered[s] = keep
+            self._note(0 if keep else size.unit_gathered, size.unit_grads)
             self.out.reduce_scatters[s] += 1
         if n == self.m:
-            self.gathered[s] = policy.keep  # REDUCE_GRAD reshards what the policy does not keep
+            self.gathered[s] = keep  # REDUCE_GRAD reshards what the policy does not keep
         self.acts -= size.act
 
 
-def walk_step(
-    actions: list[Action], sizes: dict[int, StageBytes], policy: dict[int, StagePolicy], microbatches: int
-) -> Walk:
-    """Walks one rank's compute actions (F, B, I, W, overlapped F+B) through a step; see the module docstring."""
+def walk_step(actions: list[Action], sizes: dict[int, StageBytes], policy: FsdpPolicy, microbatches: int) -> Walk:
+    """Walks one rank's compute actions (F, B, I, W, overlapped F+B) through a step under the rank's FSDP
+    policy; see the module docstring."""
     rank = _Rank(sizes, policy, microbatches)
     for action in actions:
         for a in action.sub_actions if action.computation_type == OVERLAP_F_B else (action,):

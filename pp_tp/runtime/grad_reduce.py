@@ -1,5 +1,6 @@
 """Gradient reduction every k microbatches: a PipelineStage that reduce-scatters FSDP gradients after every
-k-th microbatch backward of its stage, accumulating them sharded (`parallel.fsdp_grad_reduce`).
+k-th microbatch backward of its stage, accumulating them sharded (`FsdpPolicy.grad_reduce_every`, from
+`parallel.fsdp_grad_reduce`).
 
 torch's PipelineStage turns FSDP gradient sync off for every backward and reduces once, after the last
 microbatch (REDUCE_GRAD); unsharded gradients of the whole stage accumulate until then. Here the k-th,
@@ -18,18 +19,20 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 
 from pp_tp._torch import fsdp_reduce_grads_now, stage_backward
+from pp_tp.config.fsdp_policy import FsdpPolicy
 
 
 class ReducingStage(PipelineStage):
-    """A PipelineStage whose FSDP submodule reduce-scatters after every `every`-th of `microbatches` backwards.
+    """A PipelineStage whose FSDP submodule reduce-scatters after every k-th of `microbatches` backwards, k the
+    rank's `policy.grad_reduce_every`.
 
-    `reshard`: whether a reducing backward also reshards the parameters (policies that do not keep them
-    gathered for the step), so between reductions a stage holds neither unsharded gradients nor parameters.
+    A reducing backward also reshards the parameters when the policy does not keep them gathered for the step,
+    so between reductions a stage holds neither unsharded gradients nor parameters.
     """
 
-    def __init__(self, *args: Any, every: int, microbatches: int, reshard: bool, **kwargs: Any):
+    def __init__(self, *args: Any, policy: FsdpPolicy, microbatches: int, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.every, self.microbatches, self.reshard = every, microbatches, reshard
+        self.every, self.microbatches, self.reshard = policy.grad_reduce_every, microbatches, policy.reshards_params
         self.backwards = 0  # "full" or "weight" backwards run in this step
 
     def _sync_on(self, submod: FSDPModule) -> None:

@@ -22,9 +22,9 @@ from torch.distributed.pipelining.schedules import RESHARD, UNSHARD
 
 from pp_tp._torch import Action, PipelineScheduleRuntime, load_csv_schedule
 from pp_tp.config import ParallelConfig
+from pp_tp.config.fsdp_policy import FsdpPolicy
 from pp_tp.errors import ConfigError
 from pp_tp.hf_checkpoint import save_pretrained
-from pp_tp.parallel.fsdp import grad_reduce_every, keeps_params_gathered
 from pp_tp.parallel.tensor_parallel import reduce_partial_grads
 from pp_tp.runtime.evaluate import forward_only, grad_state
 from pp_tp.runtime.grad_reduce import ReducingStage
@@ -90,15 +90,17 @@ def _gather_params_once(schedule: PipelineScheduleRuntime) -> None:
 class BuiltStages:
     """Everything `build_pipeline` made for one rank, handed to `Pipeline` whole.
 
-    `shapes(microbatch, seq)`: the boundary tensors for a batch shape (checked against the model); `grad_factor`:
-    what FSDP divides gradients by, undone in the loss; `tied`: tied weights held by several stages; `hf_config`
-    and `source_dir`: config.json and the directory whose generation_config.json `save_pretrained` writes;
-    `checkpoint_casts`: dtype conversions made while loading an HF checkpoint (for the log)."""
+    `fsdp`: this pp rank's FSDP policy; `shapes(microbatch, seq)`: the boundary tensors for a batch shape (checked
+    against the model); `grad_factor`: what FSDP divides gradients by, undone in the loss; `tied`: tied weights held
+    by several stages; `hf_config` and `source_dir`: config.json and the directory whose generation_config.json
+    `save_pretrained` writes; `checkpoint_casts`: dtype conversions made while loading an HF checkpoint (for the
+    log)."""
 
     stages: list[StageModule]
     plan: StagePlan
     mesh: DeviceMesh
     pcfg: ParallelConfig
+    fsdp: FsdpPolicy
     device: torch.device
     shapes: Callable[[int, int], BoundaryShapes]
     grad_factor: int
@@ -117,6 +119,7 @@ class Pipeline:
         self.plan = built.plan
         self.mesh = built.mesh
         self.pcfg = built.pcfg
+        self._fsdp = built.fsdp
         self.device = built.device
         self.stage_indices = [s.spec.index for s in built.stages]
         self.has_first_stage = any(s.is_first for s in built.stages)
@@ -138,10 +141,7 @@ class Pipeline:
         num_stages = self.pcfg.num_stages
         pstages = []
         m = self.pcfg.microbatches
-        every = grad_reduce_every(self.pcfg)
-        reducing = (
-            {} if every is None else dict(every=every, microbatches=m, reshard=not keeps_params_gathered(self.pcfg))
-        )
+        reducing = {} if self._fsdp.grad_reduce_every is None else dict(policy=self._fsdp, microbatches=m)
         for stage in self.model_parts:
             inp, out = shapes.stage_io(stage)
             pstages.append(
@@ -165,7 +165,7 @@ class Pipeline:
             schedule = spec.cls(
                 pstages if spec.multi_stage else pstages[0], n_microbatches=m, loss_fn=self._loss, scale_grads=False
             )
-        if isinstance(schedule, PipelineScheduleRuntime) and keeps_params_gathered(self.pcfg):
+        if isinstance(schedule, PipelineScheduleRuntime) and self._fsdp.keeps_params_gathered:
             _gather_params_once(schedule)
         self.schedule = schedule
         self._shape_key = (microbatch, seq)

@@ -20,13 +20,14 @@ from torch.distributed.tensor import DTensor
 
 from pp_tp._torch import local_tensor
 from pp_tp.split.plan import StagePlan
+from pp_tp.stages.stage_module import canonical_names
 
 
 def tied_names(model: nn.Module) -> list[list[str]]:
     """Every parameter the model lists under more than one name: its names, the canonical one first."""
-    names: dict[int, list[str]] = defaultdict(list)
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names[id(p)].append(name)
+    names: dict[str, list[str]] = defaultdict(list)
+    for name, key in canonical_names(model).items():
+        names[key].append(name)
     return [group for group in names.values() if len(group) > 1]
 
 

@@ -117,10 +117,6 @@ class Checkpointer:
             "step": step,
         }
 
-    def latest(self) -> str | None:
-        """The newest complete checkpoint in `checkpoint.folder`, or None."""
-        return latest_checkpoint(self.cfg.folder)
-
     def load(self, path: str) -> int:
         """Restores everything from `path` into the live objects; returns the step it was saved at."""
         state = self._state(0)

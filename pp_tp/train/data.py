@@ -19,7 +19,6 @@ import sys
 from typing import Protocol
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 
 from pp_tp.config import JobConfig
 from pp_tp.errors import ConfigError
@@ -166,12 +165,6 @@ def make_source(cfg: JobConfig) -> Source:
     if cfg.data.source == "text":
         return TextSource(cfg.data.path, cfg.training.seq_len)
     return SyntheticSource(cfg.training.seed, cfg.training.seq_len)
-
-
-def dp_coords(mesh: DeviceMesh) -> tuple[int, int]:
-    """(this rank's DP index, DP degree) over both DP dims, replicate-major like the mesh."""
-    rep, shard = mesh["dp_replicate"], mesh["dp_shard"]
-    return rep.get_local_rank() * shard.size() + shard.get_local_rank(), rep.size() * shard.size()
 
 
 class ShardedBatches:

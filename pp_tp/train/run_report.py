@@ -21,8 +21,7 @@ def dry_run(cfg: JobConfig) -> JobPlan | None:
     needs a process of its own); None on other ranks, or once a process group is up (tests)."""
     if dist.is_initialized() or os.environ.get("RANK", "0") != "0":
         return None
-    p = cfg.parallel
-    return plan_job(cfg, p.pp * p.tp * p.dp_replicate * p.dp_shard)
+    return plan_job(cfg, cfg.parallel.world_size)
 
 
 def initial_weights(cfg: JobConfig, resume: str | None) -> tuple[str | None, str]:

@@ -17,7 +17,6 @@ import torch
 from pp_tp.config import JobConfig
 from pp_tp.errors import ConfigError
 
-BYTE_VOCAB = 256
 _EOS_NAMES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eos|>")
 
 

@@ -1,5 +1,8 @@
 """`pp-tp train`: the TOML-driven loop every rank runs: data -> Pipeline.step -> clip -> AdamW -> LR schedule.
 
+`Trainer(cfg)` sets the job up in its one working order and keeps every piece as an attribute; `Trainer.run`
+trains; `train(cfg)` is both.
+
 `python -m pp_tp.cli.train --config F [section.key=value ...]` is the per-rank entry torchrun starts (one node
 or many); `pp-tp train --nproc N` spawns N local ranks through torchrun itself. With `[checkpoint] enable`,
 a run resumes from the newest checkpoint in its folder, so `torchrun --max-restarts` continues a job
@@ -15,19 +18,20 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 import pp_tp
 from pp_tp.config import JobConfig, TrainingConfig
-from pp_tp.layout import layout_for
-from pp_tp.mesh import init_distributed
+from pp_tp.layout import ModelDims, layout_for
+from pp_tp.mesh import dp_rank, dp_size, init_distributed
 from pp_tp.models.factory import build_model
 from pp_tp.parallel.grads import clip_grad_norm_
 from pp_tp.planner import resolve_auto
 from pp_tp.split import cost
 from pp_tp.train import run_report
 from pp_tp.train.checkpoint import Checkpointer, latest_checkpoint
-from pp_tp.train.data import ShardedBatches, dp_coords, make_source
+from pp_tp.train.data import ShardedBatches, make_source
 from pp_tp.train.liveness import PeerWatch
 from pp_tp.train.metrics import MetricsLogger, peak_flops
 from pp_tp.train.nonfinite import NonFiniteError, NonFiniteGuard, describe, is_finite
@@ -72,32 +76,7 @@ def build_optimizers(
     return optimizers, schedulers
 
 
-def _one_step(pipe, mesh, loader, optimizers, schedulers, guard: NonFiniteGuard, t: TrainingConfig, step: int):
-    """Forward/backward, clip, and the optimizer step unless the loss or grad norm is non-finite (then stop,
-    or skip with training.skip_nonfinite). Returns (loss, grad_norm, lr, stepped)."""
-    ids, labels = loader.next()
-    for opt in optimizers:
-        opt.zero_grad()
-    guard.begin_step()
-    loss = float(pipe.step(ids, labels))
-    grad_norm = float(clip_grad_norm_(pipe.model_parts, t.max_norm, mesh))
-    lr = schedulers[0].get_last_lr()[0]
-    if not is_finite(loss, grad_norm):  # loss and norm are global: every rank takes this branch together
-        msg = describe(step, loss, grad_norm, guard.where())
-        if not t.skip_nonfinite:
-            raise NonFiniteError(f"{msg}; set training.skip_nonfinite = true to skip such steps")
-        for opt in optimizers:
-            opt.zero_grad()
-        if dist.get_rank() == 0:
-            print(f"skipped {msg}", flush=True)
-        return loss, grad_norm, lr, False
-    for opt, sched in zip(optimizers, schedulers):
-        opt.step()
-        sched.step()
-    return loss, grad_norm, lr, True
-
-
-def _metrics(cfg: JobConfig, dims, mesh) -> MetricsLogger:
+def _metrics(cfg: JobConfig, dims: ModelDims, mesh: DeviceMesh) -> MetricsLogger:
     t = cfg.training
     flops = dims.n_layers * cost.block_flops(dims, t.seq_len) + cost.head_flops(dims) + cost.embed_flops(dims)
     device_peak = (
@@ -125,54 +104,106 @@ def _resume(ckpt: Checkpointer, resume: str | None, cfg: JobConfig) -> int:
     return step
 
 
+class Trainer:
+    """One rank's training job. The constructor does the setup in the one order that works and keeps every piece
+    as an attribute (`pipe`, `mesh`, `loader`, `optimizers`, `schedulers`, `checkpointer`, `step`, ...); `run`
+    trains from `step` to training.steps.
+
+    The order: the data source and held-out text are checked first (one-line errors, nothing started); the "auto"
+    FSDP policies and the planner's dry run each need a fake process group of their own, so both come before
+    `init_distributed`; then mesh, model (meta), pipeline, loader, optimizers, checkpointer, and the resume from the
+    newest checkpoint (step, weights, optimizer, data position, RNG), which needs all of them."""
+
+    def __init__(self, cfg: JobConfig):
+        self.source = make_source(cfg)
+        self.validator = Validator(cfg)  # held-out text checked here, before any collective
+        self.cfg, self.auto_line = resolve_auto(cfg)  # "auto" FSDP policies, before the process group
+        self.plan = run_report.dry_run(self.cfg)
+        t = self.cfg.training
+        init_distributed(t.comm_timeout_s)
+        torch.manual_seed(t.seed)
+        self.mesh = pp_tp.build_mesh(self.cfg.parallel)
+        model = build_model(self.cfg.model, "meta")
+        self.dims = layout_for(model).dims(model)
+        resume = latest_checkpoint(self.cfg.checkpoint.folder) if self.cfg.checkpoint.enable else None
+        hf_dir, self.weights_line = run_report.initial_weights(self.cfg, resume)  # a DCP checkpoint wins over HF
+        self.pipe = pp_tp.build_pipeline(
+            model, self.mesh, self.cfg.parallel, seed=self.cfg.model.seed, seq_len=t.seq_len, checkpoint=hf_dir,
+            source_dir=self.cfg.model.hf_path or None,  # save_pretrained keeps its generation_config.json
+        )  # fmt: skip
+        self.loader = ShardedBatches(self.source, t.batch_size, dp_rank(self.mesh), dp_size(self.mesh), seed=t.seed)
+        self.optimizers, self.schedulers = build_optimizers(self.pipe.model_parts, t)
+        parts = self.pipe.model_parts
+        self.checkpointer = Checkpointer(self.cfg.checkpoint, parts, self.optimizers, self.schedulers, self.loader)
+        self.step = _resume(self.checkpointer, resume, self.cfg)
+        self.metrics = _metrics(self.cfg, self.dims, self.mesh)
+        self.guard = NonFiniteGuard(parts, self.pipe.pcfg.num_stages, self.pipe.device)
+        self.skipped = 0
+
+    def run(self, before_step: Callable[[int], None] | None = None) -> list[dict]:
+        """Trains to training.steps; one metrics row per step run here (global numbers).
+
+        `before_step(step)` runs at the start of every step (fault injection, profiling)."""
+        text, layout_row = run_report.layout(self.cfg, self.mesh, self.pipe, self.plan)
+        if dist.get_rank() == 0:
+            print("\n".join(x for x in (self.auto_line, self.weights_line, text) if x), flush=True)
+            self.metrics.record({**layout_row, "weights": self.weights_line})
+        watch = PeerWatch()
+        rows = []
+        try:
+            while self.step < self.cfg.training.steps:
+                self.step += 1
+                if before_step is not None:
+                    before_step(self.step)
+                with watch.naming_dead_peers(self.step):
+                    rows.append(self._train_step())
+        finally:
+            watch.stop()
+        return rows
+
+    def _train_step(self) -> dict:
+        """One step and what follows it: validation when due, the metrics row, a checkpoint when due."""
+        t, step = self.cfg.training, self.step
+        last = step == t.steps
+        start = time.perf_counter()
+        loss, grad_norm, lr, stepped = self._optimizer_step()
+        elapsed = time.perf_counter() - start
+        self.skipped += not stepped
+        extra = {"skipped_steps": self.skipped}
+        if self.validator.due(step, last):
+            extra["val_loss"] = self.validator.run(self.pipe, self.mesh)
+        row = self.metrics.log(step, last, loss, grad_norm, lr, t.batch_size * t.seq_len, elapsed, extra)
+        self.checkpointer.maybe_save(step, last=last)
+        return row
+
+    def _optimizer_step(self) -> tuple[float, float, float, bool]:
+        """Forward/backward, clip, and the optimizer step unless the loss or grad norm is non-finite (then stop,
+        or skip with training.skip_nonfinite). Returns (loss, grad_norm, lr, stepped)."""
+        t = self.cfg.training
+        ids, labels = self.loader.next()
+        for opt in self.optimizers:
+            opt.zero_grad()
+        self.guard.begin_step()
+        loss = float(self.pipe.step(ids, labels))
+        grad_norm = float(clip_grad_norm_(self.pipe.model_parts, t.max_norm, self.mesh))
+        lr = self.schedulers[0].get_last_lr()[0]
+        if not is_finite(loss, grad_norm):  # loss and norm are global: every rank takes this branch together
+            msg = describe(self.step, loss, grad_norm, self.guard.where())
+            if not t.skip_nonfinite:
+                raise NonFiniteError(f"{msg}; set training.skip_nonfinite = true to skip such steps")
+            for opt in self.optimizers:
+                opt.zero_grad()
+            if dist.get_rank() == 0:
+                print(f"skipped {msg}", flush=True)
+            return loss, grad_norm, lr, False
+        for opt, sched in zip(self.optimizers, self.schedulers):
+            opt.step()
+            sched.step()
+        return loss, grad_norm, lr, True
+
+
 def train(cfg: JobConfig, before_step: Callable[[int], None] | None = None) -> list[dict]:
-    """Runs (or resumes) the job on this rank; returns one metrics row per step run here (global numbers).
+    """Runs (or resumes) the job on this rank (`pp-tp train`'s per-rank work); one metrics row per step run here.
 
     `before_step(step)` runs at the start of every step (fault injection, profiling)."""
-    t = cfg.training
-    source = make_source(cfg)
-    validator = Validator(cfg)  # held-out text checked here, before any collective
-    cfg, auto_line = resolve_auto(cfg)  # "auto" FSDP policies: the planner picks them before the process group
-    plan = run_report.dry_run(cfg)
-    init_distributed(t.comm_timeout_s)
-    torch.manual_seed(t.seed)
-    mesh = pp_tp.build_mesh(cfg.parallel)
-    model = build_model(cfg.model, "meta")
-    dims = layout_for(model).dims(model)
-    resume = latest_checkpoint(cfg.checkpoint.folder) if cfg.checkpoint.enable else None
-    hf_dir, weights_line = run_report.initial_weights(cfg, resume)  # a DCP checkpoint wins over the HF load
-    pipe = pp_tp.build_pipeline(
-        model, mesh, cfg.parallel, seed=cfg.model.seed, seq_len=t.seq_len, checkpoint=hf_dir,
-        source_dir=cfg.model.hf_path or None,  # save_pretrained keeps its generation_config.json
-    )  # fmt: skip
-    loader = ShardedBatches(source, t.batch_size, *dp_coords(mesh), seed=t.seed)
-    optimizers, schedulers = build_optimizers(pipe.model_parts, t)
-    ckpt = Checkpointer(cfg.checkpoint, pipe.model_parts, optimizers, schedulers, loader)
-    step = _resume(ckpt, resume, cfg)
-    metrics = _metrics(cfg, dims, mesh)
-    text, layout_row = run_report.layout(cfg, mesh, pipe, plan)
-    if dist.get_rank() == 0:
-        print("\n".join(x for x in (auto_line, weights_line, text) if x), flush=True)
-        metrics.record({**layout_row, "weights": weights_line})
-    guard = NonFiniteGuard(pipe.model_parts, pipe.pcfg.num_stages, pipe.device)
-    watch = PeerWatch()
-    rows, skipped = [], 0
-    try:
-        while step < t.steps:
-            step += 1
-            if before_step is not None:
-                before_step(step)
-            with watch.naming_dead_peers(step):
-                start = time.perf_counter()
-                loss, grad_norm, lr, stepped = _one_step(pipe, mesh, loader, optimizers, schedulers, guard, t, step)
-                elapsed = time.perf_counter() - start
-                skipped += not stepped
-                extra = {"skipped_steps": skipped}
-                if validator.due(step, step == t.steps):
-                    extra["val_loss"] = validator.run(pipe, mesh)
-                tokens = t.batch_size * t.seq_len
-                rows.append(metrics.log(step, step == t.steps, loss, grad_norm, lr, tokens, elapsed, extra))
-                ckpt.maybe_save(step, last=step == t.steps)
-    finally:
-        watch.stop()
-    return rows
+    return Trainer(cfg).run(before_step)

@@ -109,16 +109,11 @@ class BlockContext:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-        kwargs = {
-            "config": self.config,
-            "inputs_embeds": h,
-            "attention_mask": None,
-            "past_key_values": None,
-            "position_ids": position_ids,
-        }
+        kwargs = {"config": self.config, "inputs_embeds": h, "attention_mask": None, "position_ids": position_ids}
         types = set(self.layer_types.values())
         makers = {FULL: create_causal_mask, SLIDING: create_sliding_window_causal_mask}
-        masks = {t: makers[t](**kwargs) for t in types}
+        # No KV cache; transformers >= 5.24 names that argument `cache` (`past_key_values` before).
+        masks = {t: makers[t](**kwargs, **_no_cache(makers[t])) for t in types}
         embeddings: Any = None
         if self.rotary is not None:
             rotary = stage.get_submodule(self.rotary)
@@ -146,6 +141,10 @@ class BlockContext:
 
 def _params(fn: Any) -> set[str]:
     return set(inspect.signature(fn).parameters)
+
+
+def _no_cache(mask_fn: Any) -> dict[str, None]:
+    return {"cache": None} if "cache" in _params(mask_fn) else {"past_key_values": None}
 
 
 def specialize(model: nn.Module) -> ModelLayout:

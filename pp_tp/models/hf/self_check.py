@@ -57,7 +57,8 @@ def small_config(config):
     n_layers = max(2, len(types))
     heads, kv = config.num_attention_heads, get("num_key_value_heads") or config.num_attention_heads
     sizes = dict(_SIZES, num_hidden_layers=n_layers)
-    sizes["num_key_value_heads"] = max(1, 4 * kv // heads if (4 * kv) % heads == 0 and kv <= heads else 4)
+    # Full MHA keeps 4 KV heads, GQA 2 (so parallel.tp = 2 still divides them), MQA 1.
+    sizes["num_key_value_heads"] = 4 if kv >= heads else (1 if kv == 1 else 2)
     moe = [key for key in _EXPERT_COUNTS if hasattr(config, key)]
     for key in moe:  # a MoE family whose default config leaves its counts unset gets them too
         sizes[key] = min(get(key) or 4, 4)
@@ -73,6 +74,8 @@ def small_config(config):
         sizes["head_dim"] = _SIZES["qk_rope_head_dim"]
     else:
         sizes["head_dim"] = 16
+    if get("rotary_dim") is not None:  # partial rotary over a fixed channel count (GPT-J, CodeGen)
+        sizes["rotary_dim"] = 8
     if get("qk_head_dim") is not None:
         sizes["qk_head_dim"] = _SIZES["qk_rope_head_dim"] + _SIZES["qk_nope_head_dim"]
     for key, value in sizes.items():
@@ -140,7 +143,13 @@ def _verdict(cls: type, small, compose: Callable[[nn.Module], ModelLayout]) -> s
 
 def self_check(model: nn.Module, compose: Callable[[nn.Module], ModelLayout]) -> None:
     """Refuses `model` in one line when its family's forward is not what `compose` describes."""
-    small = small_config(model.config)
+    try:
+        small = small_config(model.config)
+    except Exception as e:  # noqa: BLE001 - a config that cannot be shrunk cannot be checked: refused
+        raise ConfigError(
+            f"model {type(model).__name__}: its config cannot be shrunk for pp_tp's self-check "
+            f"({type(e).__name__}: {str(e)[:120]}); register a layout for it: pp_tp.extend.register_layout"
+        ) from None
     key = (type(model), small.to_json_string(use_diff=False))
     if key not in _VERDICTS:
         _VERDICTS[key] = _verdict(type(model), small, compose)

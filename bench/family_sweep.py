@@ -1,0 +1,330 @@
+"""Every Hugging Face causal-LM family with a pipeline plan, through pp_tp on its defaults: exact, refused or wrong.
+
+    python bench/family_sweep.py                                  # all families, table to stdout
+    python bench/family_sweep.py --families llama qwen3_next      # some model types
+    python bench/family_sweep.py --out docs/family_sweep.md       # the table to a file too
+
+For each `model_type` of the installed transformers' causal-LM mapping whose config class declares a
+`base_model_pp_plan`: its default config shrunk by pp_tp's own `small_config`, seeded random weights (norm weights
+near 1, all-zero persistent float buffers such as router biases stirred), fp32. On 4 gloo ranks (one world for
+every family) the model's own forward + backward on an 8 x 16 batch is the reference; `build_pipeline` with
+default options (pp2 x tp2, 1F1B, 2 microbatches; MoE families pp2 x dp_shard2) runs one `Pipeline.step` on the
+same weights and batch. Verdicts: exact (loss and every full gradient within tolerance, persistent buffers equal,
+parameters covered), refused (the same one-line ConfigError on every rank), wrong (anything else), skipped (the
+reference itself could not be built or run: not pp_tp's doing). Dropout a default config turns on is set to 0 (the
+note says so): two builds draw different random masks. Exit code 1 when any family is wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import site
+import sys
+import time
+import traceback
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from common import World
+from harness import RankError
+from parity_utils import batch, mesh_for
+from transformers import AutoModelForCausalLM
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+import pp_tp
+from pp_tp.errors import ConfigError
+from pp_tp.models.hf.self_check import small_config
+from pp_tp.models.reference.model import ModelArgs
+from pp_tp.parity import dp_share, mean_token_loss, rel_err
+from pp_tp.tensor_utils import full_tensor, persistent_buffers
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORLD = 4
+ROWS, SEQ = 8, 16
+MIN_POSITIONS = 64
+DENSE_TOL, MOE_TOL, LOSS_TOL = 1e-5, 1e-4, 1e-5
+CASE_TIMEOUT_S = 300.0
+MAX_PARAMS = 10_000_000  # 4 ranks hold two copies each: a family small_config leaves large would not fit
+_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+class Skip(Exception):
+    """The reference model itself could not be built or run: the family is out of the sweep, not pp_tp's fault."""
+
+
+def families() -> list[str]:
+    """Model types of every causal-LM family whose config class declares a pipeline plan (what pp_tp can split)."""
+    return [t for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if getattr(CONFIG_MAPPING[t], "base_model_pp_plan", None)]
+
+
+def _class_name(model_type: str) -> str:
+    """The mapping's class name, for a family whose model never got built (the built class, when there is one,
+    can differ: some model types map onto another family's class)."""
+    return str(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, ""))
+
+
+def is_moe(config: Any) -> bool:
+    """More than one expert: pp_tp refuses experts under TP, so these take the dp_shard layout."""
+    return any((getattr(config, k, None) or 0) > 1 for k in _EXPERT_COUNTS)
+
+
+def parallel_config(config: Any) -> pp_tp.ParallelConfig:
+    """pp2 x tp2 for dense families; MoE experts are refused under TP, so pp2 x dp_shard2 keeps them whole."""
+    shape = dict(pp=2, dp_shard=2, tp=1) if is_moe(config) else dict(pp=2, dp_shard=1, tp=2)
+    return pp_tp.ParallelConfig(**shape, schedule="1F1B", microbatches=2, mixed_precision="fp32")
+
+
+def layout_name(pcfg: pp_tp.ParallelConfig) -> str:
+    """The table's layout column: the axes that are not 1."""
+    return f"pp{pcfg.pp} tp{pcfg.tp}" if pcfg.tp > 1 else f"pp{pcfg.pp} dp_shard{pcfg.dp_shard}"
+
+
+def _short_path(path: str) -> str:
+    for root in (*site.getsitepackages(), REPO):
+        if path.startswith(root + os.sep):
+            return os.path.relpath(path, root)
+    return path
+
+
+def _one_line(e: BaseException) -> str:
+    """Type, first line of the message, the innermost frame and the innermost pp_tp frame: enough to find the
+    crash without the traceback."""
+    frames = [f"{_short_path(f.filename)}:{f.lineno}" for f in traceback.extract_tb(e.__traceback__)]
+    ours = [f for f in frames if f.startswith("pp_tp" + os.sep)]
+    where = f" at {frames[-1]}" if frames else ""
+    where += f" (in {ours[-1]})" if ours and ours[-1] != frames[-1] else ""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0][:200] if lines else ''}{where}"
+
+
+@torch.no_grad()
+def _seed_values(model: torch.nn.Module) -> None:
+    """Small seeded noise for every parameter (norm weights around 1, so every path carries signal) and for the
+    all-zero persistent float buffers (router biases at init), which a dropped or mangled buffer would then show."""
+    gen = torch.Generator().manual_seed(0)
+    for name, p in model.named_parameters():
+        owner, _, leaf = name.rpartition(".")
+        norm = leaf == "weight" and "norm" in type(model.get_submodule(owner)).__name__.lower()
+        p.copy_(torch.randn(p.shape, generator=gen) * 0.05 + (1.0 if norm else 0.0))
+    for b in persistent_buffers(model).values():
+        if b.is_floating_point() and not b.any():
+            b.copy_(0.1 * torch.randn(b.shape, generator=gen, dtype=b.dtype))
+
+
+def reference_model(model_type: str) -> tuple[torch.nn.Module, str]:
+    """The family's default config shrunk by pp_tp's `small_config`, fp32, seeded values; and its attention
+    implementation (sdpa, else eager). Raises `Skip` when transformers cannot build it."""
+    try:
+        config = CONFIG_MAPPING[model_type]()
+    except Exception as e:  # noqa: BLE001 - a family whose default config does not build is out of the sweep
+        raise Skip(f"config: {_one_line(e)}") from e
+    try:
+        small = small_config(config)
+    except Exception as e:  # noqa: BLE001 - pp_tp's shrink failing leaves nothing to compare against
+        raise Skip(f"small_config: {_one_line(e)}") from e
+    for key in _dropout_keys(small):  # random masks cannot match between two builds: compare without them
+        setattr(small, key, 0.0)
+    if getattr(small, "max_position_embeddings", None) is not None:
+        small.max_position_embeddings = max(small.max_position_embeddings, MIN_POSITIONS)
+    try:
+        with torch.device("meta"):
+            meta, attn = AutoModelForCausalLM.from_config(small, attn_implementation="sdpa"), "sdpa"
+    except Exception:  # noqa: BLE001 - sdpa refused: the family's eager attention is its reference
+        try:
+            with torch.device("meta"):
+                meta, attn = AutoModelForCausalLM.from_config(small, attn_implementation="eager"), "eager"
+        except Exception as e:  # noqa: BLE001
+            raise Skip(f"model: {_one_line(e)}") from e
+    n_params = sum(p.numel() for p in meta.parameters())
+    if n_params > MAX_PARAMS:
+        sizes = {k: sum(p.numel() for p in m.parameters()) for k, m in meta.named_modules() if k.count(".") == 1}
+        raise Skip(f"{n_params / 1e6:.0f}M parameters after small_config, most in {max(sizes, key=sizes.get)}")
+    torch.manual_seed(0)  # whatever the init draws (then overwritten) is the same on every rank
+    model = AutoModelForCausalLM.from_config(small, attn_implementation=attn).float()
+    _seed_values(model)
+    return model.train(), attn
+
+
+def _dropout_keys(config: Any) -> list[str]:
+    """Config keys with dropout on: in train mode they draw random masks, so the sweep turns them off (noted)."""
+    return sorted(k for k, v in config.to_dict().items() if "dropout" in k and isinstance(v, float) and v > 0)
+
+
+def family_case(model_type: str) -> dict[str, Any]:
+    """On this rank: the model's own step on the whole batch against one Pipeline.step on this rank's share.
+
+    Every failure comes back as data (`skipped`, `refused` or `error`), so one family never ends the world."""
+    try:
+        model, attn = reference_model(model_type)
+    except Skip as e:
+        return {"skipped": str(e)}
+    config = model.config
+    pcfg = parallel_config(config)
+    ids, labels = batch(ModelArgs(vocab_size=config.vocab_size), ROWS, SEQ)
+    pipelined = copy.deepcopy(model)  # before the reference step, so it holds no gradients
+    out: dict[str, Any] = {
+        "family": type(model).__name__,
+        "layout": layout_name(pcfg),
+        "moe": is_moe(config),
+        "attn": attn,
+        "dropout": _dropout_keys(CONFIG_MAPPING[model_type]()),
+    }
+    try:
+        torch.manual_seed(0)
+        want_loss = mean_token_loss(model, ids, labels)
+        want_loss.backward()
+    except Exception as e:  # noqa: BLE001 - the model's own forward failing is not pp_tp's doing
+        return {"skipped": f"reference run: {_one_line(e)}"}
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    mesh = mesh_for(pcfg)
+    try:
+        pipe = pp_tp.build_pipeline(pipelined, mesh, pcfg)
+    except ConfigError as e:
+        return {**out, "refused": str(e)}
+    except Exception as e:  # noqa: BLE001 - a crash inside pp_tp is the sweep's finding
+        return {**out, "error": f"build_pipeline: {_one_line(e)}"}
+    try:
+        torch.manual_seed(0)
+        loss = pipe.step(dp_share(mesh, ids), dp_share(mesh, labels)).item()
+        grad_errs, bad_buffers, covered = {}, [], []
+        for part in pipe.model_parts:
+            for local, p in part.named_parameters():
+                key = part.checkpoint_keys[local]
+                want = params[key].grad if params[key].grad is not None else torch.zeros_like(params[key])
+                got = full_tensor(p.grad) if p.grad is not None else torch.zeros_like(want)
+                grad_errs[key] = rel_err(got, want)
+                covered.append(key)
+            for name, b in persistent_buffers(part).items():
+                b = full_tensor(b)
+                if name not in buffers or b.shape != buffers[name].shape or not torch.equal(b, buffers[name]):
+                    bad_buffers.append(name)
+    except Exception as e:  # noqa: BLE001
+        return {**out, "error": f"Pipeline.step: {_one_line(e)}"}
+    return {
+        **out,
+        "loss_err": abs(loss - want_loss.item()) / abs(want_loss.item()),
+        "grad_errs": grad_errs,
+        "bad_buffers": bad_buffers,
+        "covered": covered,
+        "params": sorted(params),
+    }
+
+
+@dataclass
+class Row:
+    """One family's line of the table."""
+
+    model_type: str
+    family: str
+    layout: str
+    verdict: str  # exact | refused | wrong | skipped
+    loss_err: float | None = None
+    grad_err: float | None = None
+    note: str = ""
+
+
+def classify(model_type: str, per_rank: Sequence[dict[str, Any]]) -> Row:
+    """One verdict from every rank's answer: exact and refused need all ranks to agree, everything else is wrong."""
+    first = per_rank[0]
+    row = Row(model_type, first.get("family") or _class_name(model_type), first.get("layout", ""), "wrong")
+    kinds = [next((k for k in ("skipped", "refused", "error") if k in r), "ran") for r in per_rank]
+    if set(kinds) == {"skipped"} and len({r["skipped"] for r in per_rank}) == 1:
+        row.verdict, row.note = "skipped", first["skipped"]
+        return row
+    if set(kinds) == {"refused"} and len({r["refused"] for r in per_rank}) == 1:
+        row.verdict, row.note = "refused", first["refused"][:100]
+        return row
+    if set(kinds) != {"ran"}:
+        rank, r = next((i, r) for i, r in enumerate(per_rank) if kinds[i] != "ran")
+        why = r.get("error") or r.get("refused") or r.get("skipped")
+        row.note = f"ranks answered {kinds}; rank {rank}: {why}" if len(set(kinds)) > 1 else f"rank {rank}: {why}"
+        return row
+    row.loss_err = max(r["loss_err"] for r in per_rank)
+    worst = max(((e, k) for r in per_rank for k, e in r["grad_errs"].items()), default=(0.0, ""))
+    row.grad_err = worst[0]
+    tol = MOE_TOL if first["moe"] else DENSE_TOL
+    missing = sorted(set(first["params"]) - {k for r in per_rank for k in r["covered"]})
+    bad_buffers = sorted({b for r in per_rank for b in r["bad_buffers"]})
+    problems = []
+    if row.loss_err > LOSS_TOL:
+        problems.append(f"loss off by {row.loss_err:.1e}")
+    if row.grad_err > tol:
+        problems.append(f"worst grad {worst[1]}")
+    if bad_buffers:
+        problems.append(f"buffers differ: {', '.join(bad_buffers[:3])}" + (" ..." if len(bad_buffers) > 3 else ""))
+    if missing:
+        problems.append(f"params on no rank: {', '.join(missing[:3])}" + (" ..." if len(missing) > 3 else ""))
+    context = [f"{first['attn']} attention"] if first["attn"] != "sdpa" else []
+    context += [f"dropout set to 0 for the comparison: {', '.join(first['dropout'])}"] if first["dropout"] else []
+    row.verdict = "wrong" if problems else "exact"
+    row.note = "; ".join(problems + context)
+    return row
+
+
+def sweep(names: Sequence[str], world: World) -> list[Row]:
+    """Every family in `names` on the `WORLD`-rank `world`, one case each; after a rank crash or an exception
+    inside pp_tp the world restarts, so later families start from clean process groups."""
+    rows = []
+    for i, name in enumerate(names):
+        start = time.perf_counter()
+        try:
+            # A world started by another caller (the tests' session world) has no bench/ on its ranks' path.
+            world.run(site.addsitedir, os.path.dirname(os.path.abspath(__file__)))
+            row = classify(name, world.run(family_case, name, timeout=CASE_TIMEOUT_S))
+        except RankError as e:  # the world is gone already; the next run starts a fresh one
+            row = Row(name, _class_name(name), "", "wrong", note=f"rank crash: {str(e).splitlines()[0]}")
+        if row.verdict == "wrong" and row.loss_err is None:  # an exception: a collective may have stopped midway
+            world.close()  # so the next family starts on fresh process groups
+        rows.append(row)
+        print(f"[{i + 1}/{len(names)}] {name}: {row.verdict} ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
+    return rows
+
+
+def markdown(rows: Sequence[Row]) -> str:
+    """The table, then one line of counts per verdict."""
+    fmt = lambda x: "" if x is None else f"{x:.1e}"  # noqa: E731
+    lines = [
+        "| family | model type | layout | verdict | loss err | worst grad err | note |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        note = r.note.replace("|", "\\|").replace("\n", " ")
+        lines.append(
+            f"| {r.family} | {r.model_type} | {r.layout} | {r.verdict} | {fmt(r.loss_err)} | {fmt(r.grad_err)} "
+            f"| {note} |"
+        )
+    counts = Counter(r.verdict for r in rows)
+    lines.append("")
+    lines.append(", ".join(f"{counts[v]} {v}" for v in ("exact", "refused", "wrong", "skipped")))
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", nargs="+", metavar="MODEL_TYPE", help="model types (default: every family)")
+    parser.add_argument("--out", help="also write the Markdown table to this file")
+    a = parser.parse_args()
+    names = a.families or families()
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # the ranks inherit it: progress lines stay readable
+    world = World(WORLD)
+    try:
+        rows = sweep(names, world)
+    finally:
+        world.close()
+    text = markdown(rows)
+    print(text, end="")
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text)
+    sys.exit(1 if any(r.verdict == "wrong" for r in rows) else 0)
+
+
+if __name__ == "__main__":
+    main()
