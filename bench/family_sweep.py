@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import transformers
 from common import World
 from harness import RankError
 from parity_utils import batch, mesh_for
@@ -291,6 +292,9 @@ def markdown(rows: Sequence[Row]) -> str:
     """The table, then one line of counts per verdict."""
     fmt = lambda x: "" if x is None else f"{x:.1e}"  # noqa: E731
     lines = [
+        f"Made by `python bench/family_sweep.py --out docs/family_sweep.md` (torch {torch.__version__}, "
+        f"transformers {transformers.__version__}, 4 gloo ranks).",
+        "",
         "| family | model type | layout | verdict | loss err | worst grad err | note |",
         "|---|---|---|---|---|---|---|",
     ]
