@@ -43,22 +43,22 @@ def build_pipeline(
     local build run before any collective; then one exchange makes every rank refuse together (the same line) or
     go on together.
     """
-    pcfg, pp_rank = resolve_parallel(pcfg, dist.get_world_size()), mesh.get_local_rank("pp")
-    fsdp = FsdpPolicy.for_rank(pcfg, pp_rank)
-    device = rank_device(mesh)
+    pp_rank, device = mesh.get_local_rank("pp"), rank_device(mesh)
     tied = tied_names(model)  # before the stages are materialized, which unties the shared modules
     casts: Counter = Counter()
 
-    def local_build() -> tuple[Preflight, list[StageModule]]:
+    def local_build() -> tuple[ParallelConfig, FsdpPolicy, Preflight, list[StageModule]]:
         """Every check and this rank's stages, with no communication; ranks agree on the outcome below."""
-        checked = preflight(model, pcfg, mesh.device_type, seq_len)
+        resolved = resolve_parallel(pcfg, dist.get_world_size())
+        fsdp = FsdpPolicy.for_rank(resolved, pp_rank)
+        checked = preflight(model, resolved, mesh.device_type, seq_len)
         source = open_checked(checkpoint, model) if checkpoint else None
         stages = build_local_stages(
-            model, checked.layout, checked.plan, pp_rank, mesh, pcfg, fsdp, device, seed, state_dict, source, casts
+            model, checked.layout, checked.plan, pp_rank, mesh, resolved, fsdp, device, seed, state_dict, source, casts
         )
-        return checked, stages
+        return resolved, fsdp, checked, stages
 
-    checked, stages = agreed(local_build)  # one verdict: every rank refuses together, or none does
+    pcfg, fsdp, checked, stages = agreed(local_build)  # one verdict: every rank refuses together, or none does
     d, plan = checked.dims, checked.plan
     act_dtype = torch.bfloat16 if pcfg.mixed_precision == "bf16" else torch.float32
     vocab_local = d.vocab_size // pcfg.tp if pcfg.loss_parallel else d.vocab_size
