@@ -40,22 +40,32 @@ def _capture_weights(stage: StageModule) -> dict[str, torch.Tensor]:
     return weights
 
 
+# A bool buffer's byte holding 2 is neither False (0) nor True (1): the one sentinel a bool tensor can carry.
+_BOOL_SENTINEL = 2
+
+
 def _poison(buffer: torch.Tensor) -> None:
-    """Marks a buffer as not yet given a value: NaN, or the dtype's lowest value for integers."""
+    """Marks a buffer as not yet given a value: NaN, an integer sentinel (`_int_sentinel`), byte 2 for bools."""
     if buffer.is_floating_point() or buffer.is_complex():
         buffer.fill_(float("nan"))
     elif buffer.dtype == torch.bool:
-        buffer.fill_(False)
+        buffer.view(torch.uint8).fill_(_BOOL_SENTINEL)
     else:
-        buffer.fill_(torch.iinfo(buffer.dtype).min)
+        buffer.fill_(_int_sentinel(buffer.dtype))
 
 
 def _is_poisoned(buffer: torch.Tensor) -> bool:
     if buffer.is_floating_point() or buffer.is_complex():
         return bool(torch.isnan(buffer).any())
     if buffer.dtype == torch.bool:
-        return False  # no sentinel exists; a bool buffer on a seeded build comes from the layout's init rule
-    return bool((buffer == torch.iinfo(buffer.dtype).min).any())
+        return bool((buffer.view(torch.uint8) == _BOOL_SENTINEL).any())
+    return bool((buffer == _int_sentinel(buffer.dtype)).any())
+
+
+def _int_sentinel(dtype: torch.dtype) -> int:
+    """The signed dtype's lowest value, the unsigned one's highest (its lowest, 0, is too common a real value)."""
+    info = torch.iinfo(dtype)
+    return info.min if dtype.is_signed else info.max
 
 
 def _value(values: Mapping[str, torch.Tensor], fqn: str, shape: torch.Size, what: str) -> torch.Tensor:

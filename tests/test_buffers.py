@@ -209,3 +209,16 @@ def test_an_unsupported_tp_style_is_named_without_blaming_experts():
         model = T.AutoModelForCausalLM.from_config(self_check.small_config(T.GraniteSWAConfig()))
     _, why = block_tp_plan(model, "layers")
     assert "'local_params'" in why and "experts" not in why, why
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.bool])
+def test_a_poisoned_buffer_of_any_dtype_is_seen_until_written(dtype):
+    from pp_tp.materialize import _is_poisoned, _poison
+
+    b = torch.empty(5, dtype=dtype)
+    _poison(b)
+    assert _is_poisoned(b)
+    b[1:] = torch.zeros(4, dtype=dtype)  # partly written: still refused
+    assert _is_poisoned(b)
+    b.copy_(torch.zeros(5, dtype=dtype))  # zeros are a real value for every dtype
+    assert not _is_poisoned(b)
