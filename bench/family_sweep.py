@@ -40,7 +40,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 import pp_tp
 from pp_tp.errors import ConfigError
-from pp_tp.models.hf.self_check import small_config
+from pp_tp.models.hf.self_check import small_config, stir_zero_buffers
 from pp_tp.models.reference.model import ModelArgs
 from pp_tp.parity import dp_share, mean_token_loss, rel_err
 from pp_tp.tensor_utils import full_tensor, persistent_buffers
@@ -113,9 +113,7 @@ def _seed_values(model: torch.nn.Module) -> None:
         owner, _, leaf = name.rpartition(".")
         norm = leaf == "weight" and "norm" in type(model.get_submodule(owner)).__name__.lower()
         p.copy_(torch.randn(p.shape, generator=gen) * 0.05 + (1.0 if norm else 0.0))
-    for b in persistent_buffers(model).values():
-        if b.is_floating_point() and not b.any():
-            b.copy_(0.1 * torch.randn(b.shape, generator=gen, dtype=b.dtype))
+    stir_zero_buffers(model, gen)
 
 
 def reference_model(model_type: str) -> tuple[torch.nn.Module, str]:

@@ -68,9 +68,12 @@ def _int_sentinel(dtype: torch.dtype) -> int:
     return info.min if dtype.is_signed else info.max
 
 
-def _value(values: Mapping[str, torch.Tensor], fqn: str, shape: torch.Size, what: str) -> torch.Tensor:
+def _value(values: Mapping[str, torch.Tensor], fqn: str, shape: torch.Size) -> torch.Tensor:
     if fqn not in values:
-        raise ConfigError(f"state_dict has no {fqn!r}; pass the full model's state dict (keys are its FQNs: {what})")
+        raise ConfigError(
+            f"state_dict has no {fqn!r}; pass the full model's state dict "
+            "(keys are its FQNs: parameters and persistent buffers)"
+        )
     full = values[fqn]
     if tuple(full.shape) != tuple(shape):
         raise ConfigError(f"state_dict[{fqn!r}] has shape {tuple(full.shape)}, the model needs {tuple(shape)}")
@@ -87,11 +90,11 @@ def fill_stage(stage: StageModule, model: nn.Module, seed: int, state_dict: Mapp
         if state_dict is None:
             full = seeded_value(seed, fqn, p.shape, layout.init_std(fqn, n_layers))
         else:
-            full = _value(state_dict, fqn, p.shape, "parameters and persistent buffers")
+            full = _value(state_dict, fqn, p.shape)
         copy_full_(p, full.to(torch.float32))
     if state_dict is not None:
         for fqn, b in persistent_buffers(stage).items():
-            b.copy_(_value(state_dict, fqn, b.shape, "parameters and persistent buffers").to(b.dtype))
+            b.copy_(_value(state_dict, fqn, b.shape).to(b.dtype))
 
 
 @torch.no_grad()

@@ -108,10 +108,9 @@ def _materialized_stage(
 
 
 @torch.no_grad()
-def _stir_zero_buffers(model: nn.Module) -> None:
-    """All-zero float persistent buffers (router biases at init) get small seeded values, so a composition that
-    dropped or mangled one would show in the logits."""
-    gen = torch.Generator().manual_seed(1)
+def stir_zero_buffers(model: nn.Module, gen: torch.Generator) -> None:
+    """All-zero float persistent buffers (router biases at init) get small values drawn from `gen`, so a
+    composition that dropped or mangled one would show in the logits (the self-check and bench/family_sweep.py)."""
     for b in persistent_buffers(model).values():
         if b.is_floating_point() and not b.any():
             b.copy_(0.1 * torch.randn(b.shape, generator=gen, dtype=b.dtype))
@@ -127,7 +126,7 @@ def _verdict(cls: type, small, compose: Callable[[nn.Module], ModelLayout]) -> s
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             model = cls(small).to(torch.float32).eval()
-            _stir_zero_buffers(model)
+            stir_zero_buffers(model, torch.Generator().manual_seed(1))
         stage = _materialized_stage(cls, small, model, compose)
         ids = torch.randint(0, small.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
