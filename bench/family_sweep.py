@@ -71,19 +71,25 @@ def _class_name(model_type: str) -> str:
 
 
 def is_moe(config: Any) -> bool:
-    """More than one expert: pp_tp refuses experts under TP, so these take the dp_shard layout."""
-    return any((getattr(config, k, None) or 0) > 1 for k in _EXPERT_COUNTS)
+    """More than one expert: these run with the MoE layout (`--moe-layout`)."""
+    return max((getattr(config, k, None) or 0 for k in _EXPERT_COUNTS), default=0) > 1
 
 
-def parallel_config(config: Any) -> pp_tp.ParallelConfig:
-    """pp2 x tp2 for dense families; MoE experts are refused under TP, so pp2 x dp_shard2 keeps them whole."""
-    shape = dict(pp=2, dp_shard=2, tp=1) if is_moe(config) else dict(pp=2, dp_shard=1, tp=2)
-    return pp_tp.ParallelConfig(**shape, schedule="1F1B", microbatches=2, mixed_precision="fp32")
+# MoE layouts on 4 ranks: experts whole on every rank (pp2 x dp_shard2), split over 2 EP ranks (pp2 x dp_shard2
+# x ep2), or TP of experts (pp2 x tp2).
+MOE_LAYOUTS = {"dp_shard": dict(pp=2, dp_shard=2, tp=1), "ep": dict(pp=2, dp_shard=2, ep=2), "tp": dict(pp=2, tp=2)}
+
+
+def parallel_config(config: Any, moe_layout: str = "ep") -> pp_tp.ParallelConfig:
+    """pp2 x tp2 for dense families; MoE families in `moe_layout` (MOE_LAYOUTS)."""
+    shape = MOE_LAYOUTS[moe_layout] if is_moe(config) else dict(pp=2, dp_shard=1, tp=2)
+    return pp_tp.ParallelConfig(**{"dp_shard": 1, **shape}, schedule="1F1B", microbatches=2, mixed_precision="fp32")
 
 
 def layout_name(pcfg: pp_tp.ParallelConfig) -> str:
-    """The table's layout column: the axes that are not 1."""
-    return f"pp{pcfg.pp} tp{pcfg.tp}" if pcfg.tp > 1 else f"pp{pcfg.pp} dp_shard{pcfg.dp_shard}"
+    """How a row names its layout."""
+    parts = [f"pp{pcfg.pp}"] + [f"{k}{getattr(pcfg, k)}" for k in ("dp_shard", "ep", "tp") if getattr(pcfg, k) > 1]
+    return " ".join(parts)
 
 
 def _short_path(path: str) -> str:
@@ -155,7 +161,7 @@ def _dropout_keys(config: Any) -> list[str]:
     return sorted(k for k, v in config.to_dict().items() if "dropout" in k and isinstance(v, float) and v > 0)
 
 
-def family_case(model_type: str) -> dict[str, Any]:
+def family_case(model_type: str, moe_layout: str = "ep") -> dict[str, Any]:
     """On this rank: the model's own step on the whole batch against one Pipeline.step on this rank's share.
 
     Every failure comes back as data (`skipped`, `refused` or `error`), so one family never ends the world."""
@@ -164,7 +170,7 @@ def family_case(model_type: str) -> dict[str, Any]:
     except Skip as e:
         return {"skipped": str(e)}
     config = model.config
-    pcfg = parallel_config(config)
+    pcfg = parallel_config(config, moe_layout)
     ids, labels = batch(ModelArgs(vocab_size=config.vocab_size), ROWS, SEQ)
     pipelined = copy.deepcopy(model)  # before the reference step, so it holds no gradients
     out: dict[str, Any] = {
@@ -267,7 +273,7 @@ def classify(model_type: str, per_rank: Sequence[dict[str, Any]]) -> Row:
     return row
 
 
-def sweep(names: Sequence[str], world: World) -> list[Row]:
+def sweep(names: Sequence[str], world: World, moe_layout: str = "ep") -> list[Row]:
     """Every family in `names` on the `WORLD`-rank `world`, one case each; after a rank crash or an exception
     inside pp_tp the world restarts, so later families start from clean process groups."""
     rows = []
@@ -276,7 +282,7 @@ def sweep(names: Sequence[str], world: World) -> list[Row]:
         try:
             # A world started by another caller (the tests' session world) has no bench/ on its ranks' path.
             world.run(site.addsitedir, os.path.dirname(os.path.abspath(__file__)))
-            row = classify(name, world.run(family_case, name, timeout=CASE_TIMEOUT_S))
+            row = classify(name, world.run(family_case, name, moe_layout, timeout=CASE_TIMEOUT_S))
         except RankError as e:  # the world is gone already; the next run starts a fresh one
             row = Row(name, _class_name(name), "", "wrong", note=f"rank crash: {str(e).splitlines()[0]}")
         if row.verdict == "wrong" and row.loss_err is None:  # an exception: a collective may have stopped midway
@@ -311,13 +317,14 @@ def markdown(rows: Sequence[Row]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", nargs="+", metavar="MODEL_TYPE", help="model types (default: every family)")
+    parser.add_argument("--moe-layout", choices=sorted(MOE_LAYOUTS), default="ep", help="how MoE families run")
     parser.add_argument("--out", help="also write the Markdown table to this file")
     a = parser.parse_args()
     names = a.families or families()
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # the ranks inherit it: progress lines stay readable
     world = World(WORLD)
     try:
-        rows = sweep(names, world)
+        rows = sweep(names, world, a.moe_layout)
     finally:
         world.close()
     text = markdown(rows)

@@ -18,7 +18,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401
 # An in-flight functional collective and its wait: a TP all-reduce can still be pending when a stage
 # returns, and a stage boundary must carry a finished plain tensor. Public: torch.distributed's
 # functional collectives API, still under a private module name.
-from torch.distributed._functional_collectives import AsyncCollectiveTensor, wait_tensor  # noqa: F401
+# The all-to-all with autograd (its backward is the reverse all-to-all) that expert parallel sends tokens with.
+# Public: none; torch.distributed.all_to_all_single is not differentiable.
+from torch.distributed._functional_collectives import (  # noqa: F401
+    AsyncCollectiveTensor,
+    all_to_all_single_autograd,  # noqa: F401
+    wait_tensor,
+)
 
 # Pipelining actions and the runtime schedule: needed to load CSV schedules and to rewrite the
 # UNSHARD/RESHARD actions (pytorch#164756). Public replacement: none yet (torch exports only the
@@ -30,11 +36,21 @@ from torch.distributed.pipelining.schedules import (
     _PipelineScheduleRuntime as PipelineScheduleRuntime,
 )
 
+# A DTensor placement for a dim split in parts that are each sharded (packed gate/up experts, TP per part).
+# Public: none yet (FSDP2 uses it for the same layout).
+from torch.distributed.tensor.placement_types import _StridedShard as StridedShard  # noqa: F401
+
 # Tells tensor subclasses (DTensor & co.) from plain tensors. Public replacement: none.
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass  # noqa: F401
 
 # Flattens collective arguments in the comm ledger. Public: torch.utils.pytree (experimental).
 from torch.utils._pytree import tree_flatten  # noqa: F401
+
+
+def flatten_mesh_dims(mesh: Any, dims: tuple[str, ...], name: str) -> None:
+    """Registers `dims` of `mesh` as one dim `name` (expert parallel keeps "dp_shard" = ("dp_shard_mod_ep", "ep")).
+    Public replacement: none yet (torchtitan uses the same DeviceMesh._flatten)."""
+    mesh[dims]._flatten(name)
 
 
 def foreach_mul_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:

@@ -49,6 +49,11 @@ class ModelLayout:
     ``after_embed(h)`` / ``after_head(logits)``: what the model's own forward does outside its modules right
     after the embedding and after the head (embedding multipliers, logit scaling or softcapping).
     ``tp_refusal``: why this model cannot run with parallel.tp > 1 (raised in one line), or None.
+    ``experts``: block-relative names (``*`` matches one component) of mixture-of-experts experts modules: 3-D
+    parameters with the expert on dim 0, called as ``experts(hidden [T, D], top_k_index [T, k], top_k_weights
+    [T, k])`` (transformers' MoE experts). Expert parallel (parallel.ep) splits them over the EP ranks.
+    ``experts_tp``: the model declares tensor parallelism of its experts (packed gate/up split per part, down
+    row-parallel); without it parallel.tp > 1 is refused for a model with experts.
     ``specialize(model)``: for a layout that matches a whole family (e.g. every Hugging Face decoder LM), the
     layout of this one model; it may refuse the model in one line.
     """
@@ -73,6 +78,8 @@ class ModelLayout:
     specialize: Callable[[nn.Module], ModelLayout] | None = None
     tp_refusal: str | None = None
     static_block_inputs: bool = False
+    experts: tuple[str, ...] = ()
+    experts_tp: bool = False
 
     def block_keys(self, model: nn.Module) -> list[str]:
         """The blocks' names inside the blocks container, in execution order."""

@@ -1,5 +1,10 @@
 """The device mesh: ("pp", "dp_replicate", "dp_shard", "tp"), NCCL on CUDA, gloo on CPU.
 
+With expert parallel (`parallel.ep` > 1) the EP group is carved out of dp_shard, as torchtitan and Megatron do:
+the mesh is ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp") with "dp_shard" the flattened
+("dp_shard_mod_ep", "ep"), so everything that reads mesh["dp_shard"] is unchanged; experts are sharded over
+"ep" and FSDP-sharded over what EP leaves ("dp_replicate", "dp_shard_mod_ep").
+
 The process group comes from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...), so one
 node and many nodes are the same code path.
 """
@@ -13,10 +18,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from pp_tp.config import ParallelConfig, resolve_dp_shard
+from pp_tp._torch import flatten_mesh_dims
+from pp_tp.config import ParallelConfig, check_ep, resolve_dp_shard
 from pp_tp.errors import ConfigError
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+EP_MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp")
 
 
 def device_type() -> str:
@@ -63,15 +70,28 @@ def init_distributed(timeout_s: float = 300.0) -> None:
 
 
 def mesh_shape(pcfg: ParallelConfig, world_size: int) -> tuple[int, int, int, int]:
-    """The four degrees with dp_shard = -1 resolved; refuses a product that is not the world size."""
-    return pcfg.pp, pcfg.dp_replicate, resolve_dp_shard(pcfg, world_size), pcfg.tp
+    """The four degrees with dp_shard = -1 resolved; refuses a product that is not the world size, or an
+    expert-parallel degree dp_shard cannot hold."""
+    dp_shard = resolve_dp_shard(pcfg, world_size)
+    check_ep(pcfg.ep, dp_shard)
+    return pcfg.pp, pcfg.dp_replicate, dp_shard, pcfg.tp
 
 
 def build_mesh(pcfg: ParallelConfig) -> DeviceMesh:
-    """A 4-D mesh on the default process group (initialized from torchrun's env when needed)."""
+    """The mesh on the default process group (initialized from torchrun's env when needed)."""
     init_distributed()
-    shape = mesh_shape(pcfg, dist.get_world_size())
-    return init_device_mesh(device_type(), shape, mesh_dim_names=MESH_DIMS)
+    return make_mesh(device_type(), pcfg, dist.get_world_size())
+
+
+def make_mesh(device: str, pcfg: ParallelConfig, world_size: int) -> DeviceMesh:
+    """The 4-D mesh, or with parallel.ep > 1 the 5-D one whose flattened "dp_shard" covers ("dp_shard_mod_ep", "ep")."""
+    pp, dp_replicate, dp_shard, tp = mesh_shape(pcfg, world_size)
+    if pcfg.ep == 1:
+        return init_device_mesh(device, (pp, dp_replicate, dp_shard, tp), mesh_dim_names=MESH_DIMS)
+    shape = (pp, dp_replicate, dp_shard // pcfg.ep, pcfg.ep, tp)
+    mesh = init_device_mesh(device, shape, mesh_dim_names=EP_MESH_DIMS)
+    flatten_mesh_dims(mesh, ("dp_shard_mod_ep", "ep"), "dp_shard")
+    return mesh
 
 
 def dp_rank(mesh: DeviceMesh) -> int:

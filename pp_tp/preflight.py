@@ -14,6 +14,7 @@ from torch import nn
 from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
 from pp_tp.layout import ModelDims, ModelLayout, layout_for
+from pp_tp.parallel.experts import check_experts
 from pp_tp.parallel.float8 import check_float8
 from pp_tp.parallel.tensor_parallel import check_tp_plan
 from pp_tp.split.plan import StagePlan, plan_stages
@@ -75,6 +76,7 @@ def preflight(model: nn.Module, pcfg: ParallelConfig, device_type: str, seq_len:
         check_seq_len(seq_len, d)
     check_tied(pcfg, d)
     check_tp_plan(model, layout, pcfg)
+    check_experts(model, layout, pcfg)
     check_float8(pcfg, device_type)
     return Preflight(layout, d, plan_stages(model, layout, pcfg, seq_len))
 

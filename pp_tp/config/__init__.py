@@ -9,7 +9,7 @@ from pp_tp.config.schema import (
     ParallelConfig,
     TrainingConfig,
 )
-from pp_tp.config.validate import resolve_dp_shard, resolve_parallel, validate
+from pp_tp.config.validate import check_ep, resolve_dp_shard, resolve_parallel, validate
 from pp_tp.errors import ConfigError
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "ModelConfig",
     "ParallelConfig",
     "TrainingConfig",
+    "check_ep",
     "config_from_dict",
     "config_to_dict",
     "format_config",

@@ -48,6 +48,7 @@ class ModelConfig(ModelShape):
 class ParallelConfig:
     pp: int = 1
     tp: int = 1
+    ep: int = 1  # expert parallel: each MoE layer's experts split over ep ranks carved out of dp_shard
     dp_replicate: int = 1
     dp_shard: int = -1
     schedule: str = "1F1B"
@@ -168,6 +169,7 @@ BOUNDS: dict[str, tuple[tuple[str, float, bool], ...]] = {
     "parallel": (
         ("pp", 1, True),
         ("tp", 1, True),
+        ("ep", 1, True),
         ("dp_replicate", 1, True),
         ("microbatches", 1, True),
         ("stages_per_rank", 1, True),

@@ -47,6 +47,7 @@ def resolve_parallel(pcfg: ParallelConfig, world_size: int | None = None) -> Par
         )
     spr = p.stages_per_rank if p.stages_per_rank is not None else default_stages_per_rank(p.schedule, p.pp)
     p = dataclasses.replace(p, dp_shard=resolve_dp_shard(p, _world_size(p, world_size)), stages_per_rank=spr)
+    check_ep(p.ep, p.dp_shard)
     check_policy_keys(p)
     _check_grad_accum(p)
     check_schedule(p.pp, p.stages_per_rank, p.microbatches, p.schedule, schedule_reshard(p))
@@ -92,6 +93,15 @@ def resolve_dp_shard(p: ParallelConfig, world: int) -> int:
             f"but the world size is {world}; {fix}"
         )
     return p.dp_shard
+
+
+def check_ep(ep: int, dp_shard: int) -> None:
+    """Expert parallel is carved out of dp_shard (torchtitan's and Megatron's choice), so ep must divide it."""
+    if dp_shard % ep:
+        raise ConfigError(
+            f"parallel.ep = {ep} does not divide parallel.dp_shard = {dp_shard} (the EP group is carved out of "
+            f"dp_shard); set parallel.ep to a divisor of {dp_shard} or raise parallel.dp_shard"
+        )
 
 
 def _check_grad_accum(p: ParallelConfig) -> None:

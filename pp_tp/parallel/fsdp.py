@@ -18,6 +18,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from pp_tp.config import ParallelConfig
 from pp_tp.config.fsdp_policy import FsdpPolicy, uses_fsdp
+from pp_tp.layout import ModelLayout
+from pp_tp.parallel.experts import experts_modules
 
 
 def grad_factor(pcfg: ParallelConfig) -> int:
@@ -28,6 +30,11 @@ def grad_factor(pcfg: ParallelConfig) -> int:
 def dp_mesh(mesh: DeviceMesh, pcfg: ParallelConfig) -> DeviceMesh:
     """The 1-D dp_shard mesh (FSDP) or the 2-D (dp_replicate, dp_shard) mesh (HSDP)."""
     return mesh["dp_replicate", "dp_shard"] if pcfg.dp_replicate > 1 else mesh["dp_shard"]
+
+
+def expert_dp_mesh(mesh: DeviceMesh, pcfg: ParallelConfig) -> DeviceMesh:
+    """The data-parallel ranks holding the same experts under expert parallel (what EP leaves of DP)."""
+    return mesh["dp_replicate", "dp_shard_mod_ep"] if pcfg.dp_replicate > 1 else mesh["dp_shard_mod_ep"]
 
 
 def mixed_precision_policy(pcfg: ParallelConfig) -> MixedPrecisionPolicy:
@@ -49,6 +56,18 @@ def apply_fsdp(stage: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig, policy:
         "mp_policy": mixed_precision_policy(pcfg),
     }
     for block in stage.blocks():
+        if pcfg.ep > 1:
+            _shard_moe(block, stage.layout, mesh, pcfg, kwargs)
         fully_shard(block, **kwargs)
     fully_shard(stage, **kwargs)
     return True
+
+
+def _shard_moe(block: nn.Module, layout: ModelLayout, mesh: DeviceMesh, pcfg: ParallelConfig, kwargs: dict) -> None:
+    """Under expert parallel, each experts module is an FSDP unit over the ranks holding the same experts, and
+    the MoE module around it another, so attention and MoE are separate units. FSDP averages the experts'
+    gradients over dp / ep ranks instead of dp: the dispatch scales them by 1 / ep (ExpertDispatch.grad_scale)."""
+    for name, experts in experts_modules(block, layout):
+        fully_shard(experts, **{**kwargs, "mesh": expert_dp_mesh(mesh, pcfg)})
+        if "." in name:
+            fully_shard(block.get_submodule(name.rpartition(".")[0]), **kwargs)

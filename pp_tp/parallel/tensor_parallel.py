@@ -136,7 +136,7 @@ class PlanReport:
         return not (self.unmatched_rules or self.unsharded_linears)
 
 
-def _matches(rule: str, fqn: str) -> bool:
+def matches_rule(rule: str, fqn: str) -> bool:
     """`parallelize_module`'s matching: same number of components, fnmatch on each."""
     parts, names = rule.split("."), fqn.split(".")
     return len(parts) == len(names) and all(fnmatch(n, p) for n, p in zip(names, parts))
@@ -157,7 +157,7 @@ def verify(module: nn.Module, plan: Mapping[str, str]) -> PlanReport:
     resolved: dict[str, str] = {}
     unmatched = []
     for rule, style in plan.items():
-        hits = [n for n in names if _matches(rule, n)]
+        hits = [n for n in names if matches_rule(rule, n)]
         unmatched += [] if hits else [rule]
         resolved.update(dict.fromkeys(hits, style))
     covered = [c for c, style in resolved.items() if style not in _INPUT_STYLES]
@@ -177,12 +177,21 @@ def verify(module: nn.Module, plan: Mapping[str, str]) -> PlanReport:
 
 
 def block_plan(block: nn.Module, layout: ModelLayout) -> dict[str, str]:
-    """A block's own `_tp_plan` if it declares one, else the layout's plan plus the q/k norms it has."""
+    """A block's own `_tp_plan` if it declares one, else the layout's rules this block has (a model may mix
+    dense and MoE blocks) plus its q/k norms; `check_tp_plan` refuses a layout rule no block has."""
     declared = getattr(block, "_tp_plan", None)
     if declared is not None:
         return dict(declared)
-    present = {n for n, _ in block.named_modules()}
-    return {**layout.tp_plan, **{n: "replicated_with_grad_allreduce" for n in layout.qk_norms if n in present}}
+    present = [n for n, _ in block.named_modules() if n]
+    plan = {rule: style for rule, style in layout.tp_plan.items() if any(matches_rule(rule, n) for n in present)}
+    # A sub-block's input replication only where its sharded layers are (not on an MoE block's dense-MLP rule).
+    plan = {
+        rule: style
+        for rule, style in plan.items()
+        if style not in _INPUT_STYLES
+        or any(r.startswith(rule + ".") and s not in _INPUT_STYLES for r, s in plan.items())
+    }
+    return {**plan, **{n: "replicated_with_grad_allreduce" for n in layout.qk_norms if n in present}}
 
 
 def stage_plan(stage: StageModule, pcfg: ParallelConfig) -> dict[str, str]:
@@ -214,7 +223,15 @@ def check_tp_plan(model: nn.Module, layout: ModelLayout, pcfg: ParallelConfig) -
     if layout.tp_refusal:
         raise ConfigError(layout.tp_refusal)
     unsharded: set[str] = set()
-    for key, block in model.get_submodule(layout.blocks).named_children():
+    blocks = list(model.get_submodule(layout.blocks).named_children())
+    used = {rule for _, block in blocks for rule in block_plan(block, layout)}
+    unused = [rule for rule in layout.tp_plan if rule not in used and layout.tp_plan[rule] not in _INPUT_STYLES]
+    if unused:
+        raise ConfigError(
+            f"tensor-parallel plan rule {unused[0]!r} matches no module of any block of {layout.blocks}; "
+            "fix the rule in the model layout's tp_plan"
+        )
+    for key, block in blocks:
         report = verify(block, block_plan(block, layout))
         _refuse_unmatched(report, f"block {layout.blocks}.{key} ({type(block).__name__})")
         if report.unplanned_params:

@@ -6,13 +6,11 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-from torch.distributed.device_mesh import init_device_mesh
-
 from pp_tp._torch import FakeTensorMode
 from pp_tp.config import JobConfig, ParallelConfig, validate
 from pp_tp.config.fsdp_policy import FsdpPolicy
 from pp_tp.layout import layout_for
-from pp_tp.mesh import MESH_DIMS, mesh_shape
+from pp_tp.mesh import MESH_DIMS, make_mesh, mesh_shape
 from pp_tp.models.factory import build_model
 from pp_tp.planner.auto import resolve_policies
 from pp_tp.planner.estimates import ScheduleEstimate, candidate_schedules, schedule_estimate
@@ -58,7 +56,7 @@ def plan_job(cfg: JobConfig, world_size: int) -> JobPlan:
     microbatch = cfg.training.batch_size // (pcfg.dp * pcfg.microbatches)
     shape = mesh_shape(pcfg, world_size)
     with fake_world(world_size):
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=MESH_DIMS)
+        mesh = make_mesh("cpu", pcfg, world_size)
         model = build_model(cfg.model, "meta")
         layout = layout_for(model)
         plan = plan_stages(model, layout, pcfg, cfg.training.seq_len)

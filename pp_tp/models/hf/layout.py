@@ -24,7 +24,7 @@ from pp_tp.layout import ModelDims, ModelLayout
 from pp_tp.models.hf.buffers import init_buffers
 from pp_tp.models.hf.extras import after_embed, after_head
 from pp_tp.models.hf.self_check import self_check
-from pp_tp.models.hf.tp_plan import block_tp_plan
+from pp_tp.models.hf.tp_plan import block_experts, block_tp_plan
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -183,6 +183,7 @@ def compose(model: nn.Module) -> ModelLayout:
     ctx = BlockContext(model, rotary, types, block_kwargs)
     attention = next((n for n, m in blocks[0].named_children() if "Attention" in type(m).__name__), "self_attn")
     tp_plan, tp_refusal = block_tp_plan(model, blocks_key)
+    experts, experts_tp = block_experts(model, blocks_key)
     return dataclasses.replace(
         HF,
         specialize=None,
@@ -196,6 +197,8 @@ def compose(model: nn.Module) -> ModelLayout:
         call_block=ctx.call,
         tp_plan=tp_plan,
         tp_refusal=tp_refusal,
+        experts=experts,
+        experts_tp=experts_tp,
         attention=attention,
         after_embed=after_embed(model.config),
         after_head=after_head(model.config),

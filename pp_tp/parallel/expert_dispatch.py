@@ -1,0 +1,121 @@
+"""Dropless token dispatch for one experts module: its own forward runs on this rank's experts only.
+
+Per call (one MoE layer, one microbatch): the routing slots (token, k) are sorted by expert; with expert
+parallel one all-gather of the per-expert counts over "ep" (E int64) gives every rank the split sizes, one
+all-to-all sends each slot's token to the rank holding its expert and a second brings the expert outputs back
+(their backward is the two reverse all-to-alls, so the router's and the tokens' gradients are exact). The
+routing weights are applied after the return, so they never cross the network and their gradient is computed
+where the router is. Under TP of experts the tokens are already the same on every TP rank: the experts hold a
+feature shard, their outputs are all-reduced once per call (slot-level, before the weighting, so the router
+gradient is whole on every TP rank) and their input gradient once (Megatron's g and f). No capacity factor, no
+dropped token: the result is the plain model's up to summation order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from pp_tp._torch import all_to_all_single_autograd, wait_tensor
+
+
+@dataclass
+class ExpertDispatch:
+    """How one experts module reaches its experts: `n_experts` in all, this rank's contiguous share over `ep`
+    (None: all local), feature-sharded over `tp` (None: whole). `counts` holds the last call's tokens per expert
+    (over the EP group), for load statistics."""
+
+    n_experts: int
+    ep: DeviceMesh | None
+    tp: DeviceMesh | None
+    counts: torch.Tensor | None = None
+
+    @property
+    def local_experts(self) -> int:
+        return self.n_experts // (self.ep.size() if self.ep is not None else 1)
+
+    def __call__(
+        self,
+        module: nn.Module,
+        forward: Callable[..., torch.Tensor],
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        k = top_k_index.shape[-1]
+        x = _grad_all_reduce(hidden, self.tp) if self.tp is not None else hidden
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token = order // k
+        counts = torch.bincount(flat, minlength=self.n_experts)
+        slots = x[token]
+        if self.ep is None:
+            self.counts = counts
+            ids = flat[order]
+        else:
+            slots, ids, send, recv = self._send(slots, counts)
+        ones = torch.ones(ids.shape[0], 1, dtype=top_k_weights.dtype, device=ids.device)
+        with local_parameters(module, 1.0 / self.ep.size() if self.ep is not None else 1.0):
+            out = forward(module, slots, ids.unsqueeze(1), ones)
+        if self.ep is not None:
+            out = wait_tensor(all_to_all_single_autograd(out, send, recv, self.ep.get_group()))
+        if self.tp is not None:
+            out = _all_reduce(out, self.tp)
+        weights = top_k_weights.reshape(-1)[order].unsqueeze(1).to(out.dtype)
+        combined = torch.zeros(hidden.shape[0], out.shape[-1], dtype=out.dtype, device=out.device)
+        return combined.index_add(0, token, out * weights).to(hidden.dtype)
+
+    def _send(
+        self, slots: torch.Tensor, counts: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+        """Slots to the ranks holding their experts; returns (received slots, their local expert ids, send and
+        receive split sizes)."""
+        ep, local = self.ep.size(), self.local_experts
+        every = torch.empty(ep * self.n_experts, dtype=counts.dtype, device=counts.device)
+        dist.all_gather_into_tensor(every, counts, group=self.ep.get_group())
+        every = every.view(ep, self.n_experts)
+        self.counts = every.sum(0)
+        mine = every[:, self.ep.get_local_rank() * local :][:, :local]  # [source rank, local expert]
+        send = counts.view(ep, local).sum(1).tolist()
+        recv = mine.sum(1).tolist()
+        received = wait_tensor(all_to_all_single_autograd(slots, recv, send, self.ep.get_group()))
+        ids = torch.arange(local, device=counts.device).repeat(ep).repeat_interleave(mine.flatten())
+        return received, ids, send, recv
+
+
+@contextmanager
+def local_parameters(module: nn.Module, grad_scale: float) -> Iterator[None]:
+    """The module's DTensor parameters read as their local shards while inside (the family's forward indexes
+    experts by local id); their gradients reach the DTensor parameters times `grad_scale`.
+
+    The scale is 1 / ep: FSDP averages expert gradients over the dp / ep ranks holding the same experts while the
+    loss is scaled for a mean over all dp ranks (runtime.loss). Not FSDP's set_gradient_divide_factor: on a
+    one-rank group torch 2.13 divides by it twice (_fsdp_collectives.foreach_reduce)."""
+    saved = dict(module._parameters)
+    local = {n: p.to_local() for n, p in saved.items() if isinstance(p, DTensor)}
+    if grad_scale != 1.0:
+        for t in local.values():
+            if t.requires_grad:
+                t.register_hook(lambda g: g * grad_scale)
+    module._parameters.update(local)
+    try:
+        yield
+    finally:
+        module._parameters.update(saved)
+
+
+def _grad_all_reduce(x: torch.Tensor, tp: DeviceMesh) -> torch.Tensor:
+    """Identity forward, all-reduce of the gradient over `tp` (Megatron's f), through DTensor."""
+    return DTensor.from_local(x, tp, (Replicate(),), run_check=False).to_local(grad_placements=(Partial(),))
+
+
+def _all_reduce(x: torch.Tensor, tp: DeviceMesh) -> torch.Tensor:
+    """All-reduce over `tp` forward, identity backward (Megatron's g), through DTensor."""
+    return DTensor.from_local(x, tp, (Partial(),), run_check=False).redistribute(tp, (Replicate(),)).to_local()

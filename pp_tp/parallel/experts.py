@@ -1,0 +1,160 @@
+"""Mixture-of-experts experts inside a stage: expert parallel over mesh["ep"], TP of experts over mesh["tp"].
+
+The experts modules a layout names (`ModelLayout.experts`) keep their parameter names; their 3-D parameters
+become DTensors: Shard(0), the expert dim, over "ep" (each EP rank a contiguous block of experts), and under TP
+the packed gate/up split per part (every rank keeps matching gate and up rows) and down split on its input dim.
+`.full_tensor()` gives every expert, so checkpoints stay layout-free. The module's class gains a forward that
+dispatches tokens (pp_tp.parallel.expert_dispatch) around the family's own forward, run on local experts.
+"""
+
+from __future__ import annotations
+
+import inspect
+from functools import cache
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, Shard, distribute_tensor
+
+from pp_tp._torch import StridedShard
+from pp_tp.config import ParallelConfig
+from pp_tp.errors import ConfigError
+from pp_tp.layout import ModelLayout
+from pp_tp.parallel.expert_dispatch import ExpertDispatch
+from pp_tp.parallel.tensor_parallel import matches_rule
+
+# TP of experts: the packed gate/up weight and the down weight, by name (transformers' and the reference MoE's).
+_GATE_UP, _DOWN = "gate_up_proj", "down_proj"
+
+
+def experts_modules(block: nn.Module, layout: ModelLayout) -> list[tuple[str, nn.Module]]:
+    """The block's experts modules (block-relative name, module) the layout declares."""
+    return [(n, m) for n, m in block.named_modules() if n and any(matches_rule(r, n) for r in layout.experts)]
+
+
+def n_experts(module: nn.Module) -> int:
+    """The experts an experts module holds: dim 0 of its parameters."""
+    return next(iter(module.parameters())).shape[0]
+
+
+def check_experts(model: nn.Module, layout: ModelLayout, pcfg: ParallelConfig) -> None:
+    """Refuses, in one line and before any collective, experts that parallel.ep or parallel.tp cannot split."""
+    if pcfg.ep == 1 and pcfg.tp == 1:
+        return
+    family = type(model).__name__
+    found = [
+        (f"{layout.blocks}.{key}.{name}", m)
+        for key, block in model.get_submodule(layout.blocks).named_children()
+        for name, m in experts_modules(block, layout)
+    ]
+    if pcfg.ep > 1 and not found:
+        raise ConfigError(
+            f"parallel.ep = {pcfg.ep} but model {family} has no experts modules pp_tp can split (a Hugging Face "
+            "MoE declares them in base_model_ep_plan, a layout in ModelLayout.experts); set parallel.ep = 1"
+        )
+    for fqn, module in found:
+        params = dict(module.named_parameters(recurse=False))
+        nested = len(params) != len(list(module.parameters()))
+        if not params or len({p.shape[0] for p in params.values()}) != 1 or nested:
+            raise ConfigError(
+                f"{fqn} ({type(module).__name__}) is not an experts module of packed parameters sharing the expert "
+                "dim 0; set parallel.ep = 1 and parallel.tp = 1"
+            )
+        if len(inspect.signature(module.forward).parameters) != 3:
+            raise ConfigError(
+                f"{fqn} ({type(module).__name__}) is not called as experts(hidden, top_k_index, top_k_weights); "
+                "set parallel.ep = 1 and parallel.tp = 1"
+            )
+        count = n_experts(module)
+        if count % pcfg.ep:
+            raise ConfigError(
+                f"{fqn} holds {count} experts, not divisible by parallel.ep = {pcfg.ep}; "
+                f"set parallel.ep to a divisor of {count}"
+            )
+        if pcfg.tp > 1:
+            _check_experts_tp(family, fqn, module, layout, pcfg.tp)
+
+
+def _check_experts_tp(family: str, fqn: str, module: nn.Module, layout: ModelLayout, tp: int) -> None:
+    """TP of experts only where the model declares it and the experts are plain packed SwiGLU weights."""
+    if not layout.experts_tp:
+        raise ConfigError(
+            f"model {family}: its experts ({fqn}) declare no tensor parallelism; set parallel.tp = 1 "
+            "(parallel.ep splits experts across ranks instead)"
+        )
+    extra = sorted(set(dict(module.named_parameters(recurse=False))) - {_GATE_UP, _DOWN})
+    unusual = [
+        attr
+        for attr, plain in (
+            ("is_concatenated", True),
+            ("has_gate", True),
+            ("has_bias", False),
+            ("has_post_expert_norm", False),
+        )
+        if getattr(module, attr, plain) != plain
+    ]
+    if extra or unusual or not hasattr(module, _GATE_UP) or not hasattr(module, _DOWN):
+        what = (
+            f"parameter {extra[0]!r}" if extra else f"{unusual[0]} = {getattr(module, unusual[0])}" if unusual else ""
+        )
+        raise ConfigError(
+            f"{fqn} ({type(module).__name__}): TP of experts splits packed gate_up_proj and down_proj only, and this "
+            f"module differs ({what or 'missing gate_up_proj/down_proj'}); set parallel.tp = 1"
+        )
+    width = module.down_proj.shape[_feature_dim(module, _DOWN)]
+    if width % tp:
+        raise ConfigError(
+            f"{fqn}.down_proj: expert hidden size {width} is not divisible by parallel.tp = {tp}; "
+            f"set parallel.tp to a divisor of {width}"
+        )
+
+
+def _feature_dim(module: nn.Module, name: str) -> int:
+    """The expert hidden (intermediate) dim of gate_up_proj / down_proj, per the module's storage order."""
+    transposed = getattr(module, "is_transposed", False)
+    return {(_GATE_UP, False): 1, (_GATE_UP, True): 2, (_DOWN, False): 2, (_DOWN, True): 1}[(name, transposed)]
+
+
+def _placements(module: nn.Module, name: str, pcfg: ParallelConfig) -> list[Placement]:
+    placements: list[Placement] = [Shard(0)] if pcfg.ep > 1 else []
+    if pcfg.tp > 1:
+        dim = _feature_dim(module, name)
+        placements.append(StridedShard(dim, split_factor=2) if name == _GATE_UP else Shard(dim))
+    return placements
+
+
+def shard_experts(module: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig) -> None:
+    """Turns the experts' parameters into DTensors (on meta, no communication) and gives the module its dispatch."""
+    dims = tuple(d for d, n in (("ep", pcfg.ep), ("tp", pcfg.tp)) if n > 1)
+    sub = mesh[dims] if len(dims) > 1 else mesh[dims[0]]
+    count = n_experts(module)
+    for name, p in list(module.named_parameters(recurse=False)):
+        shard = distribute_tensor(p.data, sub, _placements(module, name, pcfg), src_data_rank=None)
+        module.register_parameter(name, nn.Parameter(shard, requires_grad=p.requires_grad))
+    dispatch = ExpertDispatch(count, mesh["ep"] if pcfg.ep > 1 else None, mesh["tp"] if pcfg.tp > 1 else None)
+    if hasattr(module, "num_experts"):  # transformers' grouped/batched kernels size their bins by it
+        module.num_experts = dispatch.local_experts
+    module.expert_dispatch = dispatch
+    module.__class__ = _dispatching(type(module))
+
+
+@cache
+def _dispatching(cls: type[nn.Module]) -> type[nn.Module]:
+    """`cls` with a forward that dispatches tokens around `cls.forward` (one subclass per experts class)."""
+
+    def forward(self: Any, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Any:
+        return self.expert_dispatch(self, cls.forward, hidden, top_k_index, top_k_weights)
+
+    return type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__})
+
+
+def apply_experts(stage: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig) -> bool:
+    """Expert parallel and TP of experts on the stage's experts modules; no-op when ep == tp == 1."""
+    if pcfg.ep == 1 and pcfg.tp == 1:
+        return False
+    found = [m for block in stage.blocks() for _, m in experts_modules(block, stage.layout)]
+    for module in found:
+        shard_experts(module, mesh, pcfg)
+    return bool(found)
