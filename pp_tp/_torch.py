@@ -53,6 +53,15 @@ def flatten_mesh_dims(mesh: Any, dims: tuple[str, ...], name: str) -> None:
     mesh[dims]._flatten(name)
 
 
+def swap_parameters(module: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Puts plain tensors where `module`'s parameters are (an experts module reads its local shards); returns what
+    was there, for the way back. Public replacement: torch.func.functional_call, which would call the module
+    itself (whose forward is the dispatch calling this)."""
+    saved = dict(module._parameters)
+    module._parameters.update(tensors)
+    return saved
+
+
 def foreach_mul_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
     """Scales many tensors in one call: clipping scales the local shards of every gradient at once (DTensor
     dispatch would cost a call per mesh and placements). Public replacement: torch.nn.utils.clip_grads_with_norm_,

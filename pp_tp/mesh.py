@@ -24,6 +24,8 @@ from pp_tp.errors import ConfigError
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 EP_MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp")
+# Flattened dims of the expert-parallel mesh and the dims they cover.
+FLATTENED = {"dp_shard": ("dp_shard_mod_ep", "ep")}
 
 
 def device_type() -> str:
@@ -90,7 +92,8 @@ def make_mesh(device: str, pcfg: ParallelConfig, world_size: int) -> DeviceMesh:
         return init_device_mesh(device, (pp, dp_replicate, dp_shard, tp), mesh_dim_names=MESH_DIMS)
     shape = (pp, dp_replicate, dp_shard // pcfg.ep, pcfg.ep, tp)
     mesh = init_device_mesh(device, shape, mesh_dim_names=EP_MESH_DIMS)
-    flatten_mesh_dims(mesh, ("dp_shard_mod_ep", "ep"), "dp_shard")
+    for name, dims in FLATTENED.items():
+        flatten_mesh_dims(mesh, dims, name)
     return mesh
 
 

@@ -27,7 +27,7 @@ ADAM_EPS = 1e-6
 
 def mesh_for(pcfg: ParallelConfig):
     """Meshes are cached per shape: creating gloo groups for every case would dominate the run time."""
-    key = (pcfg.pp, pcfg.dp_replicate, pcfg.dp_shard, pcfg.tp)
+    key = (pcfg.pp, pcfg.dp_replicate, pcfg.dp_shard, pcfg.ep, pcfg.tp)
     if key not in _MESHES:
         _MESHES[key] = pp_tp.build_mesh(pcfg)
     return _MESHES[key]

@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from pp_tp._torch import all_to_all_single_autograd, wait_tensor
+from pp_tp._torch import all_to_all_single_autograd, swap_parameters, wait_tensor
 
 
 @dataclass
@@ -98,17 +98,16 @@ def local_parameters(module: nn.Module, grad_scale: float) -> Iterator[None]:
     The scale is 1 / ep: FSDP averages expert gradients over the dp / ep ranks holding the same experts while the
     loss is scaled for a mean over all dp ranks (runtime.loss). Not FSDP's set_gradient_divide_factor: on a
     one-rank group torch 2.13 divides by it twice (_fsdp_collectives.foreach_reduce)."""
-    saved = dict(module._parameters)
-    local = {n: p.to_local() for n, p in saved.items() if isinstance(p, DTensor)}
+    local = {n: p.to_local() for n, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
     if grad_scale != 1.0:
         for t in local.values():
             if t.requires_grad:
                 t.register_hook(lambda g: g * grad_scale)
-    module._parameters.update(local)
+    saved = swap_parameters(module, local)
     try:
         yield
     finally:
-        module._parameters.update(saved)
+        swap_parameters(module, saved)
 
 
 def _grad_all_reduce(x: torch.Tensor, tp: DeviceMesh) -> torch.Tensor:

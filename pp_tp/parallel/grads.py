@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from pp_tp._torch import foreach_mul_
+from pp_tp.mesh import FLATTENED
 
 
 def _counts_here(grad: torch.Tensor, coords: dict[str, int]) -> bool:
@@ -30,6 +31,9 @@ def _counts_here(grad: torch.Tensor, coords: dict[str, int]) -> bool:
     sharded = set()
     if isinstance(grad, DTensor):
         for name, placement in zip(grad.device_mesh.mesh_dim_names or (), grad.placements):
+            if name in FLATTENED and name not in coords:  # expert parallel's "dp_shard" spans two mesh dims
+                sharded.update(FLATTENED[name] if not placement.is_replicate() else ())
+                continue
             if name not in coords:  # e.g. a flattened dimension: which mesh ranks it spans is not known here
                 raise RuntimeError(f"a gradient lives on mesh dim {name!r}, not one of {sorted(coords)}")
             if placement.is_partial():  # Pipeline.step reduces these; a pending sum has no local norm

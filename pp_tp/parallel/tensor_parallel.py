@@ -189,7 +189,7 @@ def block_plan(block: nn.Module, layout: ModelLayout) -> dict[str, str]:
         rule: style
         for rule, style in plan.items()
         if style not in _INPUT_STYLES
-        or any(r.startswith(rule + ".") and s not in _INPUT_STYLES for r, s in plan.items())
+        or any(r.rpartition(".")[0] == rule and s not in _INPUT_STYLES for r, s in plan.items())
     }
     return {**plan, **{n: "replicated_with_grad_allreduce" for n in layout.qk_norms if n in present}}
 

@@ -25,6 +25,7 @@ from pp_tp.models.hf.buffers import init_buffers
 from pp_tp.models.hf.extras import after_embed, after_head
 from pp_tp.models.hf.self_check import self_check
 from pp_tp.models.hf.tp_plan import block_experts, block_tp_plan
+from pp_tp.parallel.tensor_parallel import matches_rule
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -41,15 +42,35 @@ def _refuse(model: nn.Module, why: str) -> ConfigError:
 
 
 def _pp_plan(model: nn.Module) -> tuple[str, str, str]:
-    """(embedding, blocks, norm) names inside the base model, from its declared base_model_pp_plan."""
+    """(embedding, blocks, norm) names inside the base model, from its declared base_model_pp_plan, or for a
+    model declaring none, its standard structure (the self-check then proves the composition)."""
     plan = getattr(model.config, "base_model_pp_plan", None)
     if not plan:
-        raise _refuse(model, "declares no base_model_pp_plan; register a layout for it (pp_tp.extend.register_layout)")
+        return _standard_plan(model)
     names = list(plan)
     firsts = [inputs[0] if inputs else None for inputs, _ in plan.values()]
     if len(names) != 3 or firsts[0] != "input_ids" or firsts[1] != "hidden_states":
         raise _refuse(model, f"base_model_pp_plan {plan} is not embedding -> layers -> norm; register a layout for it")
     return names[0], names[1], names[2]
+
+
+def _standard_plan(model: nn.Module) -> tuple[str, str, str]:
+    """embed_tokens -> layers -> norm, the children (and nothing else with weights) a decoder LM without a
+    declared pp plan may have; refused in one line otherwise."""
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    names = {n: m for n, m in base.named_children()} if isinstance(base, nn.Module) else {}
+    standard = (
+        names.get("embed_tokens") is model.get_input_embeddings()
+        and isinstance(names.get("layers"), nn.ModuleList)
+        and "norm" in names
+    )
+    if not standard:
+        raise _refuse(
+            model,
+            "declares no base_model_pp_plan and is not embed_tokens -> layers -> norm; register a layout for it "
+            "(pp_tp.extend.register_layout)",
+        )
+    return "embed_tokens", "layers", "norm"
 
 
 def _module_name(model: nn.Module, module: nn.Module | None, what: str) -> str:
@@ -183,6 +204,9 @@ def compose(model: nn.Module) -> ModelLayout:
     ctx = BlockContext(model, rotary, types, block_kwargs)
     attention = next((n for n, m in blocks[0].named_children() if "Attention" in type(m).__name__), "self_attn")
     tp_plan, tp_refusal = block_tp_plan(model, blocks_key)
+    # The family's plan covers every config of it (dense layers, shared experts, ...): keep what this one has.
+    names = {n for b in blocks for n, _ in b.named_modules() if n}
+    tp_plan = {rule: style for rule, style in tp_plan.items() if any(matches_rule(rule, n) for n in names)}
     experts, experts_tp = block_experts(model, blocks_key)
     return dataclasses.replace(
         HF,
