@@ -62,8 +62,10 @@ class ExpertDispatch:
         else:
             slots, ids, send, recv = self._send(slots, counts)
         ones = torch.ones(ids.shape[0], 1, dtype=top_k_weights.dtype, device=ids.device)
-        with local_parameters(module, 1.0 / self.ep.size() if self.ep is not None else 1.0):
+        with local_parameters(module, 1.0 / self.ep.size() if self.ep is not None else 1.0) as local:
             out = forward(module, slots, ids.unsqueeze(1), ones)
+        if self.ep is not None:  # no slot for any local expert still gives them a (zero) gradient, as in the plain
+            out = out + sum(t.flatten()[0] * 0 for t in local)  # model, so every rank reduces and steps them
         if self.ep is not None:
             out = wait_tensor(all_to_all_single_autograd(out, send, recv, self.ep.get_group()))
         if self.tp is not None:
@@ -91,9 +93,9 @@ class ExpertDispatch:
 
 
 @contextmanager
-def local_parameters(module: nn.Module, grad_scale: float) -> Iterator[None]:
+def local_parameters(module: nn.Module, grad_scale: float) -> Iterator[list[torch.Tensor]]:
     """The module's DTensor parameters read as their local shards while inside (the family's forward indexes
-    experts by local id); their gradients reach the DTensor parameters times `grad_scale`.
+    experts by local id), yielded too; their gradients reach the DTensor parameters times `grad_scale`.
 
     The scale is 1 / ep: FSDP averages expert gradients over the dp / ep ranks holding the same experts while the
     loss is scaled for a mean over all dp ranks (runtime.loss). Not FSDP's set_gradient_divide_factor: on a
@@ -105,7 +107,7 @@ def local_parameters(module: nn.Module, grad_scale: float) -> Iterator[None]:
                 t.register_hook(lambda g: g * grad_scale)
     saved = swap_parameters(module, local)
     try:
-        yield
+        yield list(local.values())
     finally:
         swap_parameters(module, saved)
 
