@@ -4,19 +4,23 @@ build's router biases, and the experts keys' refusals."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, replace
 
 import parity_utils as pu
 import pytest
 import torch
 import torch.nn.functional as F
+from train_utils import REPO
 
 import pp_tp
 from pp_tp.cli.job import check_job
-from pp_tp.config import JobConfig, ModelConfig, TrainingConfig, validate
+from pp_tp.config import JobConfig, ModelConfig, TrainingConfig, load_config, validate
 from pp_tp.errors import ConfigError
+from pp_tp.models.factory import build_model
 from pp_tp.models.reference import Transformer
 from pp_tp.models.reference.moe import Experts, MoE, Router
+from pp_tp.planner import plan_job
 from pp_tp.tensor_utils import persistent_buffers
 
 # Layers 1 and 3 hold 8 experts (top 2) and a shared expert; 0 and 2 are dense.
@@ -154,6 +158,20 @@ def test_tensor_parallel_with_experts_is_refused_before_any_rank_starts():
     cfg = replace(_job(), parallel=pu.pcfg_of(pp=2, tp=2, microbatches=2))
     with pytest.raises(ConfigError, match=r"parallel.tp > 1 with model.n_experts = 8: .*set parallel.tp = 1$"):
         check_job(validate(cfg, world_size=4))
+
+
+def test_the_planner_counts_every_expert_parameter(monkeypatch):
+    """`pp-tp plan` on the shipped MoE config: stage and per-rank parameters from the experts' real shapes (FSDP
+    halves each stage's), and its fake-tensor forward through the experts (no routing values there) runs."""
+    monkeypatch.chdir(REPO)  # data.path is relative to the repository root
+    cfg = load_config(os.path.join("toml_configs", "moe_cpu.toml"), world_size=4)
+    job = plan_job(cfg, 4)
+    model = build_model(cfg.model)
+    per_stage = [sum(p.numel() for f in s.fqns for p in model.get_submodule(f).parameters()) for s in job.plan.stages]
+    assert [s.params for s in job.plan.stages] == per_stage
+    assert sum(per_stage) == sum(p.numel() for p in model.parameters())
+    assert [r.local_params for r in job.ranks] == [-(-n // 2) for n in per_stage]
+    assert all(b > 0 for r in job.ranks for b in r.act_bytes_per_microbatch.values())
 
 
 # --- multi-rank: pp2 x dp_shard2, experts whole on every rank ------------------------------------------

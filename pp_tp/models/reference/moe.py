@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pp_tp._torch import FakeTensor
 from pp_tp.config.schema import ModelShape
 
 
@@ -63,7 +64,7 @@ class Experts(nn.Module):
         # Slots grouped by expert (stable: token order kept within an expert); foreign ids sort last, unused.
         expert = torch.where((slots >= 0) & (slots < n_experts), slots, n_experts)
         order = torch.argsort(expert, stable=True)
-        counts = torch.bincount(expert, minlength=n_experts + 1)[:n_experts].tolist()
+        counts = _slot_counts(expert, n_experts)
         tokens, weights = order // k, top_k_weights.reshape(-1)[order]
         out = torch.zeros_like(hidden)
         start = 0
@@ -74,6 +75,15 @@ class Experts(nn.Module):
             out.index_add_(0, token, y.to(out.dtype))
             start += count
         return out
+
+
+def _slot_counts(expert: torch.Tensor, n_experts: int) -> list[int]:
+    """Slots per expert, as Python ints (one host sync). A fake tensor (the planner measuring activations without
+    data) has no values: its slots are split evenly over the experts, the balanced routing training aims at."""
+    if isinstance(expert, FakeTensor):
+        local = expert.numel()  # an upper bound: the planner sees no foreign ids
+        return [local // n_experts + (e < local % n_experts) for e in range(n_experts)]
+    return torch.bincount(expert, minlength=n_experts + 1)[:n_experts].tolist()
 
 
 class MoE(nn.Module):
