@@ -23,11 +23,13 @@ def _init_buffers(stage: nn.Module, model: Transformer) -> None:
 
 
 def _specialize(model: Transformer) -> ModelLayout:
-    """The dense model's layout, or with experts one that refuses TP: the plan's w1/w2/w3 rules do not fit them."""
+    """REFERENCE itself for the dense model; with experts, one that refuses TP (the plan's w1/w2/w3 rules do not
+    fit experts)."""
     if not model.args.n_experts:
-        return REFERENCE_DENSE
+        return REFERENCE
     return dataclasses.replace(
-        REFERENCE_DENSE,
+        REFERENCE,
+        specialize=None,
         tp_refusal=(
             f"parallel.tp > 1 with model.n_experts = {model.args.n_experts}: tensor parallel of experts is "
             "parallel.ep's work (issue 21), not built yet; set parallel.tp = 1"
@@ -49,7 +51,7 @@ BLOCK_TP_PLAN = {
     "feed_forward.w2": "rowwise",
 }
 
-REFERENCE_DENSE = ModelLayout(
+REFERENCE = ModelLayout(
     name="reference",
     matches=lambda m: isinstance(m, Transformer),
     dims=_dims,
@@ -65,6 +67,5 @@ REFERENCE_DENSE = ModelLayout(
     qk_norms=("attention.q_norm", "attention.k_norm"),
     init_std=param_init_std,
     static_block_inputs=True,  # the rotary table only
+    specialize=_specialize,
 )
-
-REFERENCE = dataclasses.replace(REFERENCE_DENSE, specialize=_specialize)
