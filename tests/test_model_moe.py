@@ -60,6 +60,7 @@ def test_experts_equal_a_naive_loop_and_ignore_foreign_ids():
     """Output and every gradient equal the naive loop's; ids outside [0, E) (EP's sentinels) add nothing; an
     expert no token reached still gets a (zero) gradient, so FSDP ranks agree on what they reduce."""
     experts = _experts()
+    assert experts.num_experts == 4
     gen = torch.Generator().manual_seed(1)
     hidden = torch.randn(10, 8, generator=gen, requires_grad=True)
     index = torch.tensor([[0, 1], [1, 0], [3, 1], [1, -1], [4, 0], [3, 3], [0, 7], [1, 0], [-5, 4], [3, 1]])

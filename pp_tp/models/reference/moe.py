@@ -46,10 +46,11 @@ class Experts(nn.Module):
     """E SwiGLU experts in packed 3-D parameters: `gate_up_proj` [E, 2 * hidden, dim] (gate rows, then up rows)
     and `down_proj` [E, dim, hidden], Hugging Face's layout.
 
-    `forward` runs the experts this module holds, E = dim 0 of its parameters as forward sees them; a
-    top_k_index entry outside [0, E) (another rank's expert, a sentinel) is ignored. Every expert runs, on
-    the tokens it got (possibly none), so both parameters always get a gradient (zeros where no token
-    went): FSDP2 reduce-scatters only parameters holding a gradient, and ranks must agree on which.
+    `forward` runs the experts this module holds, `num_experts` = dim 0 of its parameters as forward sees them
+    (a subset of the model's experts under expert parallel, indexed locally); a top_k_index entry outside
+    [0, num_experts) (another rank's expert, a sentinel) is ignored. Every expert runs, on the tokens it got
+    (possibly none), so both parameters always get a gradient (zeros where no token went): FSDP2 reduce-scatters
+    only parameters holding a gradient, and ranks must agree on which.
     """
 
     def __init__(self, n_experts: int, dim: int, hidden: int):
@@ -57,9 +58,14 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * hidden, dim))
         self.down_proj = nn.Parameter(torch.empty(n_experts, dim, hidden))
 
+    @property
+    def num_experts(self) -> int:
+        """The experts this module holds: its parameters' dim 0 (never stored apart, so it cannot disagree)."""
+        return self.gate_up_proj.shape[0]
+
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """hidden [T, dim] -> [T, dim]: for each token, sum over its k slots of weight * expert(hidden)."""
-        n_experts, k = self.gate_up_proj.shape[0], top_k_index.shape[-1]
+        n_experts, k = self.num_experts, top_k_index.shape[-1]
         slots = top_k_index.reshape(-1)
         # Slots grouped by expert (stable: token order kept within an expert); foreign ids sort last, unused.
         expert = torch.where((slots >= 0) & (slots < n_experts), slots, n_experts)
