@@ -15,7 +15,7 @@ from pp_tp.config import ModelConfig, ParallelConfig
 from pp_tp.models.factory import build_model
 from pp_tp.models.reference.model import ModelArgs
 from pp_tp.parity import PipelineRun, ReferenceRun, lockstep, rel_err  # noqa: F401  (tests reach pu.rel_err)
-from pp_tp.tensor_utils import full_tensor  # noqa: F401  (tests reach it as pu.full_tensor)
+from pp_tp.tensor_utils import full_tensor, persistent_buffers  # noqa: F401  (tests reach pu.full_tensor)
 
 _MESHES: dict = {}
 
@@ -48,16 +48,19 @@ def make_model(args: ModelArgs = TINY, hf: bool = False, device: str = "cpu") ->
 
 
 def reference_state(args: ModelArgs = TINY, hf: bool = False, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random full weights by FQN, with non-trivial norms and biases so every path is exercised."""
+    """Random full weights by FQN, with non-trivial norms and biases so every path is exercised; persistent
+    buffers (the reference MoE's router biases) random too, so one left unfilled or unused shows."""
     gen = torch.Generator().manual_seed(seed)
     model = make_model(args, hf)
-    return {
+    state = {
         k: (
             torch.randn(v.shape, generator=gen) * (0.1 if k.endswith("bias") else 0.05)
             + (1.0 if k.endswith("norm.weight") else 0.0)
         )
         for k, v in model.named_parameters()  # a tied weight once, under its canonical name
     }
+    state.update({k: torch.randn(b.shape, generator=gen) * 0.05 for k, b in persistent_buffers(model).items()})
+    return state
 
 
 def batch(args: ModelArgs, n: int, seq: int, seed: int = 1, pad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

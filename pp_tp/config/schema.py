@@ -21,6 +21,23 @@ class ModelShape:
     qk_norm: bool = False
     attn_bias: bool = False
     tie_embeddings: bool = False
+    # Mixture of experts (pp_tp/models/reference/moe.py); n_experts = 0 is the dense model.
+    n_experts: int = 0
+    top_k: int = 2  # experts per token
+    n_shared_experts: int = 0  # dense SwiGLU beside the routed experts, n_shared_experts * the expert width wide
+    moe_ffn_dim: int | None = None  # one expert's hidden width; None: ffn_dim
+    moe_every: int = 1  # layer i is MoE when i % moe_every == moe_every - 1 (2: every second, the first dense)
+    router: str = "softmax"  # "softmax" (Mixtral, Qwen3-MoE) or "sigmoid" (DeepSeek-V3 without groups) scores
+    norm_topk: bool = True  # the k chosen scores renormalized to sum to 1
+
+    @property
+    def expert_dim(self) -> int:
+        """One expert's hidden width: moe_ffn_dim, or ffn_dim when unset."""
+        return self.moe_ffn_dim or self.ffn_dim
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer i holds experts in place of the dense MLP."""
+        return self.n_experts > 0 and i % self.moe_every == self.moe_every - 1
 
     @property
     def kv_heads(self) -> int:
@@ -148,7 +165,7 @@ class JobConfig:
 # Allowed strings per section and key. A str|int field (fsdp_reshard_after_forward, fsdp_grad_reduce) is
 # checked here only when it holds a string.
 CHOICES: dict[str, dict[str, tuple[str, ...]]] = {
-    "model": {"kind": ("reference", "hf_llama")},
+    "model": {"kind": ("reference", "hf_llama"), "router": ("softmax", "sigmoid")},
     "parallel": {
         "split": ("even", "weighted", "balanced", "layers_per_stage", "explicit"),
         "fsdp_reshard_after_forward": ("default", "always", "never", "auto"),
@@ -163,8 +180,11 @@ CHOICES: dict[str, dict[str, tuple[str, ...]]] = {
 
 # (key, lower bound, whether the bound itself is allowed). dp_shard (-1 allowed) has its own check.
 BOUNDS: dict[str, tuple[tuple[str, float, bool], ...]] = {
-    "model": tuple(
-        (k, 1, True) for k in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len")
+    "model": (
+        *((k, 1, True) for k in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len")),
+        *((k, 1, True) for k in ("top_k", "moe_ffn_dim", "moe_every")),
+        ("n_experts", 0, True),
+        ("n_shared_experts", 0, True),
     ),
     "parallel": (
         ("pp", 1, True),

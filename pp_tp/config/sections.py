@@ -1,10 +1,11 @@
-"""Cross-key checks of the `[validation]` section (kept apart from validate.py, which is near its size limit)."""
+"""Cross-key checks of the `[validation]` section and the `[model]` experts keys (kept apart from validate.py,
+which is near its size limit)."""
 
 from __future__ import annotations
 
 import os
 
-from pp_tp.config.schema import DataConfig, ValidationConfig
+from pp_tp.config.schema import CHOICES, DataConfig, ModelConfig, ModelShape, ValidationConfig
 from pp_tp.errors import ConfigError
 
 
@@ -27,3 +28,34 @@ def check_validation(v: ValidationConfig, data: DataConfig) -> ValidationConfig:
             'set data.source = "text" or give validation.path'
         )
     return v
+
+
+def check_moe(m: ModelShape) -> None:
+    """The reference Transformer's experts keys agree with each other (and with `[model]`'s model choice); run on
+    the TOML config by `validate` and on the arguments by the model itself, so Python callers meet the same line."""
+    routers = CHOICES["model"]["router"]
+    if m.router not in routers:
+        raise ConfigError(f"model.router = {m.router!r} is not one of {', '.join(routers)}; set model.router to one")
+    if not m.n_experts:
+        for key, dense in (("n_shared_experts", 0), ("moe_ffn_dim", None), ("moe_every", 1)):
+            if getattr(m, key) != dense:
+                raise ConfigError(
+                    f"model.{key} = {getattr(m, key)} shapes MoE layers, but model.n_experts = 0 (dense); "
+                    f"set model.n_experts > 0 or drop model.{key}"
+                )
+        return
+    if isinstance(m, ModelConfig) and (m.hf_path or m.kind != "reference"):
+        which = "model.hf_path" if m.hf_path else f"model.kind = {m.kind!r}"
+        raise ConfigError(
+            f"model.n_experts = {m.n_experts} shapes pp_tp's reference Transformer, but {which} chooses another "
+            "model; drop model.n_experts (and the other experts keys)"
+        )
+    if m.top_k > m.n_experts:
+        raise ConfigError(
+            f"model.top_k = {m.top_k} exceeds model.n_experts = {m.n_experts}; set model.top_k <= {m.n_experts}"
+        )
+    if m.moe_every > m.n_layers:
+        raise ConfigError(
+            f"model.moe_every = {m.moe_every} exceeds model.n_layers = {m.n_layers}, so no layer holds experts; "
+            f"set model.moe_every <= {m.n_layers}"
+        )

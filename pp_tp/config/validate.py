@@ -8,7 +8,7 @@ import os
 from pp_tp.config.fields import checked
 from pp_tp.config.fsdp_policy import check_policy_keys, schedule_reshard
 from pp_tp.config.schema import SPLIT_ARGS, DataConfig, JobConfig, ParallelConfig, TrainingConfig
-from pp_tp.config.sections import check_validation
+from pp_tp.config.sections import check_moe, check_validation
 from pp_tp.errors import ConfigError
 from pp_tp.schedules.registry import check_schedule, default_stages_per_rank
 
@@ -23,8 +23,10 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> JobConfig:
     raises ConfigError with one line naming the key, the value and the fix.
     """
     parallel = resolve_parallel(cfg.parallel, world_size)
+    model = checked("model", cfg.model)
+    check_moe(model)
     return JobConfig(
-        model=checked("model", cfg.model),
+        model=model,
         parallel=parallel,
         training=_check_training(cfg.training, parallel),
         data=_check_data(cfg.data),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pp_tp.config import ModelConfig
 from pp_tp.parallel.fsdp import uses_fsdp
 from pp_tp.planner.dry_run import JobPlan
 
@@ -53,11 +54,21 @@ def _header(job: JobPlan) -> list[str]:
         f"world: {job.world_size} ranks (fake process group); mesh {mesh}",
         (
             f"model: dim={m.dim} layers={m.n_layers} heads={m.n_heads}/{m.n_kv_heads or m.n_heads} ffn={m.ffn_dim} "
-            f"vocab={m.vocab_size}; batch {t.batch_size} x seq {t.seq_len}, microbatch {job.microbatch} x "
+            f"vocab={m.vocab_size}{_experts(m)}; batch {t.batch_size} x seq {t.seq_len}, microbatch {job.microbatch} x "
             f"{p.microbatches} per DP rank; {p.mixed_precision}; {fsdp}; "
             f"activation checkpoint {p.activation_checkpoint}"
         ),
     ]
+
+
+def _experts(m: ModelConfig) -> str:
+    """The reference model's experts, when it has any (whole on every rank: no expert parallel yet)."""
+    if not m.n_experts:
+        return ""
+    return (
+        f" experts={m.n_experts} top{m.top_k} x {m.expert_dim} wide, shared={m.n_shared_experts}, "
+        f"MoE every {m.moe_every} layer(s), {m.router} router"
+    )
 
 
 def _memory_table(job: JobPlan) -> str:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from torch import nn
 
 from pp_tp.layout import ModelDims, ModelLayout
 from pp_tp.models.reference.model import Transformer, param_init_std, rope_cache
+from pp_tp.models.reference.moe import init_expert_bias
 
 
 def _dims(model: Transformer) -> ModelDims:
@@ -16,6 +19,22 @@ def _dims(model: Transformer) -> ModelDims:
 def _init_buffers(stage: nn.Module, model: Transformer) -> None:
     a = model.args
     stage.rope = rope_cache(a.head_dim, a.max_seq_len, a.rope_theta, stage.rope.device)
+    init_expert_bias(stage)  # persistent: a source, when there is one, overwrites it afterwards
+
+
+def _specialize(model: Transformer) -> ModelLayout:
+    """REFERENCE itself for the dense model; with experts, one that refuses TP (the plan's w1/w2/w3 rules do not
+    fit experts)."""
+    if not model.args.n_experts:
+        return REFERENCE
+    return dataclasses.replace(
+        REFERENCE,
+        specialize=None,
+        tp_refusal=(
+            f"parallel.tp > 1 with model.n_experts = {model.args.n_experts}: tensor parallel of experts is "
+            "parallel.ep's work (issue 21), not built yet; set parallel.tp = 1"
+        ),
+    )
 
 
 # Column-parallel q/k/v and w1/w3, row-parallel wo and w2; "replicate_input" on the attention and MLP
@@ -48,4 +67,5 @@ REFERENCE = ModelLayout(
     qk_norms=("attention.q_norm", "attention.k_norm"),
     init_std=param_init_std,
     static_block_inputs=True,  # the rotary table only
+    specialize=_specialize,
 )

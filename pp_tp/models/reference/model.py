@@ -1,4 +1,4 @@
-"""The reference Llama-style decoder: RoPE, RMSNorm, GQA attention via SDPA, SwiGLU MLP.
+"""The reference Llama-style decoder: RoPE, RMSNorm, GQA attention via SDPA, SwiGLU MLP (or experts, moe.py).
 
 Layers live in an ``nn.ModuleDict`` keyed by the global layer index, so a parameter keeps its name
 (``layers.7.attention.wq.weight``) whichever pipeline stage ends up holding it.
@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pp_tp.config.schema import ModelShape
+from pp_tp.config.sections import check_moe
+from pp_tp.models.reference.moe import MoE, init_expert_bias
 from pp_tp.seeded_init import default_init_std, init_weights
 
 
@@ -92,12 +94,16 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+        if args.is_moe_layer(layer):
+            n_shared = args.n_shared_experts * args.expert_dim
+            self.feed_forward = MoE(args, FeedForward(args.dim, n_shared) if n_shared else None)
+        else:
+            self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope)
@@ -107,9 +113,10 @@ class TransformerBlock(nn.Module):
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
+        check_moe(args)
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
@@ -121,8 +128,10 @@ class Transformer(nn.Module):
         self.rope = rope_cache(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, self.rope.device)
 
     def init_weights(self, seed: int = 0) -> None:
-        """Values depend only on (seed, parameter FQN): pp_tp.seeded_init with this model's std rule."""
+        """Values depend only on (seed, parameter FQN): pp_tp.seeded_init with this model's std rule; router
+        biases zero."""
         self.init_rope()
+        init_expert_bias(self)
         init_weights(self, seed, self.args.n_layers, param_init_std)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -133,7 +142,8 @@ class Transformer(nn.Module):
 
 
 def param_init_std(fqn: str, n_layers: int) -> float | None:
-    """The reference model's init rule: the default, with output projections scaled by 1/sqrt(2 n_layers)."""
-    if fqn.endswith(("wo.weight", "w2.weight")):
+    """The reference model's init rule: the default, with output projections (experts' down_proj too) scaled by
+    1/sqrt(2 n_layers)."""
+    if fqn.endswith(("wo.weight", "w2.weight", "experts.down_proj")):
         return 0.02 / math.sqrt(2 * n_layers)
     return default_init_std(fqn, n_layers)
