@@ -111,10 +111,18 @@ def _preflight(model: torch.nn.Module, **kw) -> None:
 @pytest.mark.parametrize(
     ("name", "kw", "match"),
     [
-        ("mixtral_moe", dict(pp=2, microbatches=2, dp_shard=2, ep=3), r"parallel.ep = 3 does not divide parallel.dp_shard = 2"),
+        (
+            "mixtral_moe",
+            dict(pp=2, microbatches=2, dp_shard=2, ep=3),
+            r"parallel.ep = 3 does not divide parallel.dp_shard = 2",
+        ),
         ("qwen3_moe", dict(dp_shard=8, ep=8), r"mlp.experts holds 4 experts, not divisible by parallel.ep = 8"),
         ("llama", dict(dp_shard=2, ep=2), r"parallel.ep = 2 but model LlamaForCausalLM has no experts modules"),
-        ("gpt_oss", dict(pp=2, microbatches=2, **TP), r"GptOssForCausalLM: .*(declares no base_model_tp_plan|declare no tensor)"),
+        (
+            "gpt_oss",
+            dict(pp=2, microbatches=2, **TP),
+            r"GptOssForCausalLM: .*(declares no base_model_tp_plan|declare no tensor)",
+        ),
     ],
 )
 def test_bad_expert_layouts_are_refused_in_one_line(name, kw, match):

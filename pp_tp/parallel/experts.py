@@ -134,7 +134,7 @@ def shard_experts(module: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig) -> 
         shard = distribute_tensor(p.data, sub, _placements(module, name, pcfg), src_data_rank=None)
         module.register_parameter(name, nn.Parameter(shard, requires_grad=p.requires_grad))
     dispatch = ExpertDispatch(count, mesh["ep"] if pcfg.ep > 1 else None, mesh["tp"] if pcfg.tp > 1 else None)
-    if hasattr(module, "num_experts"):  # transformers' grouped/batched kernels size their bins by it
+    if "num_experts" in vars(module):  # transformers' grouped/batched kernels size their bins by it
         module.num_experts = dispatch.local_experts
     module.expert_dispatch = dispatch
     module.__class__ = _dispatching(type(module))

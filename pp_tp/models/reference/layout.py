@@ -23,17 +23,18 @@ def _init_buffers(stage: nn.Module, model: Transformer) -> None:
 
 
 def _specialize(model: Transformer) -> ModelLayout:
-    """REFERENCE itself for the dense model; with experts, one that refuses TP (the plan's w1/w2/w3 rules do not
-    fit experts)."""
+    """REFERENCE itself for the dense model; with experts, the experts named for expert parallel and TP of
+    experts, shared experts as dense TP MLPs, and only the rules some block has (MoE layers hold no w1/w2/w3)."""
     if not model.args.n_experts:
         return REFERENCE
+    rules = {**BLOCK_TP_PLAN, **SHARED_EXPERTS_TP_PLAN}
+    names = {n for block in model.layers.children() for n, _ in block.named_modules() if n}
     return dataclasses.replace(
         REFERENCE,
         specialize=None,
-        tp_refusal=(
-            f"parallel.tp > 1 with model.n_experts = {model.args.n_experts}: tensor parallel of experts is "
-            "parallel.ep's work (issue 21), not built yet; set parallel.tp = 1"
-        ),
+        tp_plan={rule: style for rule, style in rules.items() if rule in names},
+        experts=("feed_forward.experts",),
+        experts_tp=True,
     )
 
 
@@ -49,6 +50,14 @@ BLOCK_TP_PLAN = {
     "feed_forward.w1": "colwise",
     "feed_forward.w3": "colwise",
     "feed_forward.w2": "rowwise",
+}
+
+# An MoE layer's shared experts: a dense SwiGLU MLP of its own sub-block.
+SHARED_EXPERTS_TP_PLAN = {
+    "feed_forward.shared_experts": "replicate_input",
+    "feed_forward.shared_experts.w1": "colwise",
+    "feed_forward.shared_experts.w3": "colwise",
+    "feed_forward.shared_experts.w2": "rowwise",
 }
 
 REFERENCE = ModelLayout(
