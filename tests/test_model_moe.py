@@ -200,4 +200,4 @@ def test_moe_pipelined_equals_the_plain_model(world):
         results = w.run(_parity, pcfg, args)
         pu.assert_parity(results)
         assert any("experts.gate_up_proj" in n for n in results[0]["all_names"])
-    assert max(w.run(_seeded, PP2_EP2, MOE)) == 0.0  # experts seeded by FQN, whatever ep
+    assert max(w.run(_seeded, pu.with_(PP2_DP2, ep=2), MOE)) == 0.0  # experts seeded by FQN, whatever ep
