@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from pp_tp._torch import all_to_all_single_autograd, swap_parameters, wait_tensor
+from pp_tp._torch import FakeTensor, all_to_all_single_autograd, swap_parameters, wait_tensor
 
 
 @dataclass
@@ -54,13 +54,14 @@ class ExpertDispatch:
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token = order // k
-        counts = torch.bincount(flat, minlength=self.n_experts)
         slots = x[token]
-        if self.ep is None:
-            self.counts = counts
+        if isinstance(flat, FakeTensor):  # the planner's shape-only run: routing has no values, assume it balanced
+            slots, ids, send, recv = self._balanced(slots)
+        elif self.ep is None:
+            self.counts = torch.bincount(flat, minlength=self.n_experts)
             ids = flat[order]
         else:
-            slots, ids, send, recv = self._send(slots, counts)
+            slots, ids, send, recv = self._send(slots, torch.bincount(flat, minlength=self.n_experts))
         ones = torch.ones(ids.shape[0], 1, dtype=top_k_weights.dtype, device=ids.device)
         with local_parameters(module, 1.0 / self.ep.size() if self.ep is not None else 1.0) as local:
             out = forward(module, slots, ids.unsqueeze(1), ones)
@@ -73,6 +74,16 @@ class ExpertDispatch:
         weights = top_k_weights.reshape(-1)[order].unsqueeze(1).to(out.dtype)
         combined = torch.zeros(hidden.shape[0], out.shape[-1], dtype=out.dtype, device=out.device)
         return combined.index_add(0, token, out * weights).to(hidden.dtype)
+
+    def _balanced(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+        """What `_send` returns when every rank's slots spread evenly over the experts (shapes only)."""
+        ep = self.ep.size() if self.ep is not None else 1
+        n = slots.shape[0]
+        splits = [n // ep + (r < n % ep) for r in range(ep)]
+        if self.ep is not None:
+            slots = wait_tensor(all_to_all_single_autograd(slots, splits, splits, self.ep.get_group()))
+        ids = torch.arange(n, device=slots.device) * self.local_experts // max(n, 1)
+        return slots, ids, splits, splits
 
     def _send(
         self, slots: torch.Tensor, counts: torch.Tensor

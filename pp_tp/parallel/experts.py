@@ -150,6 +150,13 @@ def _dispatching(cls: type[nn.Module]) -> type[nn.Module]:
     return type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__})
 
 
+def expert_dispatches(module: nn.Module) -> list[ExpertDispatch]:
+    """The dispatch of every experts module this pass sharded inside `module` (load statistics, reports)."""
+    return [
+        m.expert_dispatch for m in module.modules() if isinstance(getattr(m, "expert_dispatch", None), ExpertDispatch)
+    ]
+
+
 def apply_experts(stage: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig) -> bool:
     """Expert parallel and TP of experts on the stage's experts modules; no-op when ep == tp == 1."""
     if pcfg.ep == 1 and pcfg.tp == 1:

@@ -87,7 +87,7 @@ def plan_job(cfg: JobConfig, world_size: int) -> JobPlan:
     return JobPlan(
         cfg,
         world_size,
-        dict(zip(MESH_DIMS, shape)),
+        {**dict(zip(MESH_DIMS, shape)), **({"ep": pcfg.ep} if pcfg.ep > 1 else {})},
         microbatch,
         plan,
         ranks,

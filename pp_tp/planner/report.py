@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pp_tp.config import ModelConfig
+from pp_tp.config import ModelConfig, ParallelConfig
 from pp_tp.parallel.fsdp import uses_fsdp
 from pp_tp.planner.dry_run import JobPlan
 
@@ -54,19 +54,22 @@ def _header(job: JobPlan) -> list[str]:
         f"world: {job.world_size} ranks (fake process group); mesh {mesh}",
         (
             f"model: dim={m.dim} layers={m.n_layers} heads={m.n_heads}/{m.n_kv_heads or m.n_heads} ffn={m.ffn_dim} "
-            f"vocab={m.vocab_size}{_experts(m)}; batch {t.batch_size} x seq {t.seq_len}, microbatch {job.microbatch} x "
+            f"vocab={m.vocab_size}{_experts(m, p)}; batch {t.batch_size} x seq {t.seq_len}, "
+            f"microbatch {job.microbatch} x "
             f"{p.microbatches} per DP rank; {p.mixed_precision}; {fsdp}; "
             f"activation checkpoint {p.activation_checkpoint}"
         ),
     ]
 
 
-def _experts(m: ModelConfig) -> str:
-    """The reference model's experts, when it has any (whole on every rank: no expert parallel yet)."""
+def _experts(m: ModelConfig, p: ParallelConfig) -> str:
+    """The reference model's experts, when it has any, and how many each rank holds."""
     if not m.n_experts:
         return ""
+    split = f" ({m.n_experts // p.ep} per rank over ep={p.ep})" if p.ep > 1 else " (whole on every rank)"
+    split += f", each TP-sharded over tp={p.tp}" if p.tp > 1 else ""
     return (
-        f" experts={m.n_experts} top{m.top_k} x {m.expert_dim} wide, shared={m.n_shared_experts}, "
+        f" experts={m.n_experts}{split} top{m.top_k} x {m.expert_dim} wide, shared={m.n_shared_experts}, "
         f"MoE every {m.moe_every} layer(s), {m.router} router"
     )
 

@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from pp_tp.config import JobConfig
 from pp_tp.hf_checkpoint import has_weights
 from pp_tp.mesh import MESH_DIMS
+from pp_tp.parallel.experts import expert_dispatches
 from pp_tp.planner import plan_job
 from pp_tp.planner.dry_run import JobPlan
 from pp_tp.runtime.pipeline import Pipeline
@@ -38,7 +39,7 @@ def initial_weights(cfg: JobConfig, resume: str | None) -> tuple[str | None, str
 def layout(cfg: JobConfig, mesh: DeviceMesh, pipe: Pipeline, plan) -> tuple[str, dict]:
     """The layout as text for rank 0's stdout and as one JSONL row."""
     p = cfg.parallel
-    shape = {d: mesh[d].size() for d in MESH_DIMS}
+    shape = {d: mesh[d].size() for d in MESH_DIMS} | ({"ep": p.ep} if p.ep > 1 else {})
     lines = [
         f"layout: {dist.get_world_size()} ranks, mesh " + " x ".join(f"{k}={v}" for k, v in shape.items())
         + f"; schedule {p.schedule}, {p.microbatches} microbatches, {p.num_stages} stages; {p.mixed_precision}",
@@ -50,6 +51,15 @@ def layout(cfg: JobConfig, mesh: DeviceMesh, pipe: Pipeline, plan) -> tuple[str,
          "params": s.params}
         for s in pipe.plan.stages
     ]  # fmt: skip
+    held = sorted({(d.local_experts, d.n_experts) for part in pipe.model_parts for d in expert_dispatches(part)})
+    if held:
+        row["experts_per_rank"] = held[0][0]
+        lines.append(
+            "experts per MoE layer on each rank: "
+            + ", ".join(f"{local} of {total}" for local, total in held)
+            + f" (ep={p.ep}"
+            + (f", each TP-sharded over tp={p.tp})" if p.tp > 1 else ")")
+        )
     if plan is not None:
         lines.append("planner estimate per rank (dp/tp coordinate 0, AdamW):")
         row["memory_gib"] = {}
