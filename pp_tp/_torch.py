@@ -63,6 +63,12 @@ def swap_parameters(module: nn.Module, tensors: dict[str, torch.Tensor]) -> dict
     return saved
 
 
+def in_backward() -> bool:
+    """Whether autograd is running a backward on this thread (activation checkpointing recomputes forwards there).
+    Public replacement: none."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def foreach_mul_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
     """Scales many tensors in one call: clipping scales the local shards of every gradient at once (DTensor
     dispatch would cost a call per mesh and placements). Public replacement: torch.nn.utils.clip_grads_with_norm_,

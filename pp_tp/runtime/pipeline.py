@@ -29,6 +29,7 @@ from pp_tp.parallel.tensor_parallel import reduce_partial_grads
 from pp_tp.runtime.evaluate import forward_only, grad_state
 from pp_tp.runtime.grad_reduce import ReducingStage
 from pp_tp.runtime.loss import TokenSumLoss, count_tokens
+from pp_tp.runtime.routing_stats import RoutingStats
 from pp_tp.schedules.registry import get_schedule_spec, is_csv_schedule
 from pp_tp.split.plan import StagePlan
 from pp_tp.stages.stage_module import StageModule
@@ -135,6 +136,10 @@ class Pipeline:
         self._dp_groups = [built.mesh.get_group(d) for d in ("dp_replicate", "dp_shard") if built.mesh[d].size() > 1]
         self._shape_key: tuple[int, int] | None = None
         self.schedule = None
+        self._routing = RoutingStats(built.stages, built.stages[0].layout, built.mesh) if built.stages else None
+        # After each step: {"tokens_per_expert": {MoE layer FQN: int64 [E]}} over the step and all DP ranks, for
+        # the MoE layers this rank holds (empty without any).
+        self.moe_stats: dict[str, Any] = {}
 
     def _build_schedule(self, microbatch: int, seq: int) -> None:
         shapes = self._shapes_fn(microbatch, seq)
@@ -213,7 +218,11 @@ class Pipeline:
             ctx.enter_context(self._loss.parallel())  # torch wants the vocab-parallel loss's backward inside it too
             for stage in self.model_parts:  # masks and rotary tables once per step, not once per microbatch
                 ctx.enter_context(stage.reuse_block_inputs())
+            if self._routing is not None:
+                self._routing.reset()
             self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        if self._routing is not None and self._routing.counts:
+            self.moe_stats = {"tokens_per_expert": self._routing.collect()}
         reduce_partial_grads(self.model_parts)  # once per step, after the last microbatch
         if self._tied is not None:
             self._tied.sync(self.model_parts)

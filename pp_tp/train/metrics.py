@@ -11,6 +11,10 @@ import os
 import resource
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from pp_tp.runtime.routing_stats import imbalance
 
 # Dense (not sparse) bf16 tensor-core peaks, FLOP/s per device; longer names are matched first.
 PEAK_BF16_FLOPS = {
@@ -108,6 +112,7 @@ class MetricsLogger:
             mfu = f" | mfu {100 * row['mfu']:.1f}%" if "mfu" in row else ""
             mfu += f" | val_loss {row['val_loss']:.4f}" if "val_loss" in row else ""
             mfu += f" | skipped {row['skipped_steps']}" if row.get("skipped_steps") else ""
+            mfu += f" | moe imbalance {row['moe_imbalance']:.2f}" if "moe_imbalance" in row else ""
             mfu += f" | {step}/{self.total_steps} eta {_hms(row['eta_s'])}" if "eta_s" in row else ""
             print(
                 f"step {step:>6} | loss {loss:.4f} | grad_norm {grad_norm:.3f} | lr {lr:.2e} | "
@@ -118,3 +123,12 @@ class MetricsLogger:
                 with open(self.path, "a") as f:
                     f.write(json.dumps(row) + "\n")
         return row
+
+
+def moe_imbalance(tokens_per_expert: dict[str, torch.Tensor], mesh: DeviceMesh) -> dict:
+    """The step's tokens-per-expert imbalance (max / mean) of every MoE layer of the model, gathered over the pp
+    ranks (a collective: every rank calls it each step), and the worst of them."""
+    parts: list = [None] * mesh["pp"].size()
+    dist.all_gather_object(parts, imbalance(tokens_per_expert), group=mesh.get_group("pp"))
+    per_layer = {k: v for part in parts for k, v in part.items()}
+    return {"moe_imbalance": max(per_layer.values(), default=1.0), "moe_imbalance_per_layer": per_layer}

@@ -26,6 +26,7 @@ from pp_tp.config import JobConfig, TrainingConfig
 from pp_tp.layout import ModelDims, layout_for
 from pp_tp.mesh import dp_rank, dp_size, init_distributed
 from pp_tp.models.factory import build_model
+from pp_tp.parallel.experts import experts_modules
 from pp_tp.parallel.grads import clip_grad_norm_
 from pp_tp.planner import resolve_auto
 from pp_tp.split import cost
@@ -33,7 +34,7 @@ from pp_tp.train import run_report
 from pp_tp.train.checkpoint import Checkpointer, latest_checkpoint
 from pp_tp.train.data import ShardedBatches, make_source
 from pp_tp.train.liveness import PeerWatch
-from pp_tp.train.metrics import MetricsLogger, peak_flops
+from pp_tp.train.metrics import MetricsLogger, moe_imbalance, peak_flops
 from pp_tp.train.nonfinite import NonFiniteError, NonFiniteGuard, describe, is_finite
 from pp_tp.train.validation import Validator
 
@@ -124,7 +125,9 @@ class Trainer:
         torch.manual_seed(t.seed)
         self.mesh = pp_tp.build_mesh(self.cfg.parallel)
         model = build_model(self.cfg.model, "meta")
-        self.dims = layout_for(model).dims(model)
+        layout = layout_for(model)
+        self.dims = layout.dims(model)
+        self.has_experts = any(experts_modules(b, layout) for b in model.get_submodule(layout.blocks).children())
         resume = latest_checkpoint(self.cfg.checkpoint.folder) if self.cfg.checkpoint.enable else None
         hf_dir, self.weights_line = run_report.initial_weights(self.cfg, resume)  # a DCP checkpoint wins over HF
         self.pipe = pp_tp.build_pipeline(
@@ -170,6 +173,8 @@ class Trainer:
         elapsed = time.perf_counter() - start
         self.skipped += not stepped
         extra = {"skipped_steps": self.skipped}
+        if self.has_experts:
+            extra.update(moe_imbalance(self.pipe.moe_stats.get("tokens_per_expert", {}), self.mesh))
         if self.validator.due(step, last):
             extra["val_loss"] = self.validator.run(self.pipe, self.mesh)
         row = self.metrics.log(step, last, loss, grad_norm, lr, t.batch_size * t.seq_len, elapsed, extra)
