@@ -25,6 +25,24 @@ from pp_tp.stages.tied import TiedWeights, tied_names
 from pp_tp.verdict import agreed
 
 
+def _shapes(
+    checked: Preflight, pcfg: ParallelConfig, skeleton: nn.Module | None
+) -> Callable[[tuple[int, ...], torch.dtype], BoundaryShapes | InferredShapes]:
+    """The boundary tensors for a microbatch of inputs: a language model's from its dims, any other model's inferred
+    on `skeleton` (the meta copy of the model)."""
+    d = checked.dims
+    act_dtype = torch.bfloat16 if pcfg.mixed_precision == "bf16" else torch.float32
+    vocab_local = d.vocab_size // pcfg.tp if pcfg.loss_parallel else d.vocab_size
+
+    def shapes(microbatch: tuple[int, ...], dtype: torch.dtype) -> BoundaryShapes | InferredShapes:
+        if skeleton is not None:
+            return InferredShapes(skeleton, checked.layout, checked.plan, microbatch, dtype, act_dtype)
+        check_seq_len(microbatch[1], d, key="Pipeline.step: the batch's seq")
+        return BoundaryShapes(microbatch[0], microbatch[1], d.dim, vocab_local, act_dtype)
+
+    return shapes
+
+
 def build_pipeline(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -43,10 +61,9 @@ def build_pipeline(
     `model` is the full model on the meta device (values from `seed`, or `state_dict` keyed by FQN) or
     holding weights (they are used, persistent buffers included). `checkpoint`: an HF model directory whose
     safetensors fill the stages, each rank reading only its own slices. `source_dir`: the HF directory the model
-    comes from, whose generation_config.json `save_pretrained` keeps (default: `checkpoint`). `loss_fn`: the caller's
-    loss with reduction="sum" (a callable or a name: "mse", "l1", "cross_entropy"), divided by the global
-    `loss_normalizer` ("elements" or "samples", runtime/loss.py:SumLoss); then `Pipeline.step(inputs, targets)` takes
-    any input and target tensors, and the boundaries are inferred once per input shape. Every check and the
+    comes from, whose generation_config.json `save_pretrained` keeps (default: `checkpoint`). `loss_fn` (a callable
+    with reduction="sum" or "mse", "l1", "cross_entropy") over the global `loss_normalizer`: runtime/loss.py:SumLoss;
+    `Pipeline.step(inputs, targets)` then takes any tensors, boundaries inferred per input shape. Every check and the
     local build run before any collective; then one exchange makes every rank refuse together (the same line) or
     go on together.
     """
@@ -68,16 +85,7 @@ def build_pipeline(
         return resolved, fsdp, checked, stages, loss
 
     pcfg, fsdp, checked, stages, loss = agreed(local_build)  # one verdict: every rank refuses together, or none does
-    d, plan = checked.dims, checked.plan
-    act_dtype = torch.bfloat16 if pcfg.mixed_precision == "bf16" else torch.float32
-    vocab_local = d.vocab_size // pcfg.tp if pcfg.loss_parallel else d.vocab_size
-
-    def shapes(microbatch: tuple[int, ...], dtype: torch.dtype) -> BoundaryShapes | InferredShapes:
-        if skeleton is not None:
-            return InferredShapes(skeleton, checked.layout, plan, microbatch, dtype, act_dtype)
-        check_seq_len(microbatch[1], d, key="Pipeline.step: the batch's seq")
-        return BoundaryShapes(microbatch[0], microbatch[1], d.dim, vocab_local, act_dtype)
-
+    plan = checked.plan
     built = BuiltStages(
         stages,
         plan,
@@ -85,7 +93,7 @@ def build_pipeline(
         pcfg,
         fsdp,
         device,
-        shapes,
+        _shapes(checked, pcfg, skeleton),
         grad_factor(pcfg),
         loss=loss,
         tp_loss_mesh=mesh["tp"] if pcfg.loss_parallel and pcfg.tp > 1 else None,

@@ -86,7 +86,8 @@ def test_selective_checkpoint_without_attention_module_is_refused():
 def test_compile_is_per_block_and_keeps_names():
     stage, pcfg = whole_stage(pu.make_model(device="meta"), compile=True)
     names = [n for n, _ in stage.named_parameters()]
-    assert apply_compile(stage, None, replace(pcfg, compile=False)) is False and not is_compiled(stage.block_modules()[0])
+    first = stage.block_modules()[0]
+    assert apply_compile(stage, None, replace(pcfg, compile=False)) is False and not is_compiled(first)
     assert apply_compile(stage, None, pcfg) is True
     assert all(is_compiled(b) for b in stage.block_modules()) and not is_compiled(stage)
     assert [n for n, _ in stage.named_parameters()] == names

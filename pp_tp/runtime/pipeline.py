@@ -27,9 +27,9 @@ from pp_tp.config.fsdp_policy import FsdpPolicy
 from pp_tp.errors import ConfigError
 from pp_tp.hf_checkpoint import save_pretrained
 from pp_tp.parallel.tensor_parallel import reduce_partial_grads
+from pp_tp.runtime.boundary import BoundaryShapes, InferredShapes
 from pp_tp.runtime.evaluate import forward_only, grad_state
 from pp_tp.runtime.grad_reduce import ReducingStage
-from pp_tp.runtime.boundary import BoundaryShapes, InferredShapes
 from pp_tp.runtime.loss import SumLoss, TokenSumLoss, count_targets, count_tokens
 from pp_tp.schedules.registry import get_schedule_spec, is_csv_schedule
 from pp_tp.split.plan import StagePlan
@@ -64,8 +64,9 @@ class BuiltStages:
     """Everything `build_pipeline` made for one rank, handed to `Pipeline` whole.
 
     `fsdp`: this pp rank's FSDP policy; `shapes(microbatch shape, dtype)`: the boundary tensors for a microbatch of
-    inputs (checked against the model); `loss`: the caller's summed loss (None: token cross-entropy); `grad_factor`: what FSDP divides gradients by, undone in the loss; `tied`: tied weights held
-    by several stages; `hf_config` and `source_dir`: config.json and the directory whose generation_config.json
+    inputs (checked against the model); `loss`: the caller's summed loss (None: token cross-entropy);
+    `grad_factor`: what FSDP divides gradients by, undone in the loss; `tied`: tied weights held by several
+    stages; `hf_config` and `source_dir`: config.json and the directory whose generation_config.json
     `save_pretrained` writes; `checkpoint_casts`: dtype conversions made while loading an HF checkpoint (for the
     log)."""
 
