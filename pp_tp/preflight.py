@@ -99,7 +99,7 @@ def preflight(
     check_layout_names(layout)
     check_loss(layout, pcfg, custom_loss)
     check_model_shape(pcfg, d)
-    if seq_len is not None:
+    if seq_len is not None and layout.is_lm:  # other models take no token sequence
         check_seq_len(seq_len, d)
     check_tied(pcfg, d)
     check_tp_plan(model, layout, pcfg)

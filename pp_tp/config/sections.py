@@ -1,10 +1,11 @@
-"""Cross-key checks of the `[validation]` section (kept apart from validate.py, which is near its size limit)."""
+"""Cross-key checks of the `[validation]` section and of the gridded-fields job (kept apart from validate.py, which
+is near its size limit)."""
 
 from __future__ import annotations
 
 import os
 
-from pp_tp.config.schema import DataConfig, ValidationConfig
+from pp_tp.config.schema import DataConfig, JobConfig, ValidationConfig
 from pp_tp.errors import ConfigError
 
 
@@ -27,3 +28,21 @@ def check_validation(v: ValidationConfig, data: DataConfig) -> ValidationConfig:
             'set data.source = "text" or give validation.path'
         )
     return v
+
+
+def check_fields_job(cfg: JobConfig) -> None:
+    """The CREDIT-style model reads gridded fields (data.source = "fields") and only it does; its grid splits into
+    patches and its width into heads."""
+    m = cfg.model
+    if (m.kind == "credit") != (cfg.data.source == "fields"):
+        raise ConfigError(
+            f'model.kind = {m.kind!r} with data.source = {cfg.data.source!r}: gridded fields ("fields") go with '
+            'model.kind = "credit" and only with it; set both or neither'
+        )
+    if m.kind == "credit" and m.image_size % m.patch_size:
+        raise ConfigError(
+            f"model.image_size = {m.image_size} is not divisible by model.patch_size = {m.patch_size}; "
+            "pick a patch size dividing the grid"
+        )
+    if m.kind == "credit" and m.dim % m.n_heads:
+        raise ConfigError(f"model.dim = {m.dim} is not divisible by model.n_heads = {m.n_heads}; change either")
