@@ -5,6 +5,7 @@ classifier, pipelined with TP or FSDP, against the plain model on the same weigh
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -12,15 +13,21 @@ import torch.nn.functional as F
 from nonlm_models import ViT
 from parity_utils import adamw, assert_parity, mesh_for, pcfg_of
 from torch import nn
+from train_utils import REPO
 
 import pp_tp
+from pp_tp.cli.job import check_job
+from pp_tp.config import load_config
+from pp_tp.config.schema import LOSS_NAMES
 from pp_tp.diagnostics.comm_ledger import CommLedger
 from pp_tp.errors import ConfigError
 from pp_tp.models.credit import CREDIT, CreditArgs, CreditModel
 from pp_tp.parallel.tensor_parallel import check_tp_plan
 from pp_tp.parity import PipelineRun, ReferenceRun, dp_share, lockstep
 from pp_tp.preflight import preflight
-from pp_tp.runtime.loss import SumLoss
+from pp_tp.planner import plan_job
+from pp_tp.runtime.loss import LOSSES, SumLoss
+from pp_tp.train.trainer import train
 
 CREDIT_ARGS = CreditArgs(channels=4, image_size=16, patch_size=4, dim=32, n_layers=4, n_heads=4, ffn_dim=64)
 
@@ -102,12 +109,22 @@ CASES = [
 ]
 
 
-def _all_cases() -> list[dict]:
-    return [_compare(kind, loss, norm, **kw) for kind, loss, norm, kw in CASES]
+CREDIT_TOML = os.path.join(REPO, "toml_configs", "credit_cpu.toml")
+TRAIN_STEPS = ["training.steps=8", "training.log_every=1", "training.metrics_file=\"\"", "training.warmup_steps=1"]
 
 
-def test_nonlm_parity_and_tp_collectives(world):
-    per_rank = world(4).run(_all_cases)
+def _all_cases() -> tuple[list[dict], list[float]]:
+    """Every parity case, then the shipped CREDIT TOML trained for a few steps (its losses)."""
+    parity = [_compare(kind, loss, norm, **kw) for kind, loss, norm, kw in CASES]
+    rows = train(load_config(CREDIT_TOML, TRAIN_STEPS))
+    return parity, [r["loss"] for r in rows]
+
+
+def test_nonlm_parity_tp_collectives_and_credit_toml(world):
+    out = world(4).run(_all_cases)
+    per_rank = [o[0] for o in out]
+    losses = out[0][1]
+    assert len(losses) == 8 and losses[-1] < 0.7 * losses[0], losses  # MSE on the synthetic fields falls
     for i, (kind, loss, norm, kw) in enumerate(CASES):
         results = [r[i] for r in per_rank]
         try:
@@ -158,3 +175,14 @@ def test_non_lm_needs_a_loss():
     assert "'credit' is not a language model" in msg
     with pytest.raises(ConfigError, match="training.loss = 'hinge' is unknown"):
         SumLoss("hinge")
+
+
+def test_credit_job_rules_and_planner_refusal():
+    assert set(LOSSES) == set(LOSS_NAMES)  # the TOML names and their implementations
+    cfg, checked = check_job(load_config(CREDIT_TOML, world_size=4))
+    assert [len(s.blocks) for s in checked.plan.stages] == [2, 2]
+    msg = _refusal(lambda: check_job(load_config(CREDIT_TOML, ["training.loss=\"\""], world_size=4)))
+    assert "'credit' is not a language model" in msg
+    msg = _refusal(lambda: load_config(CREDIT_TOML, ['data.source="synthetic"'], world_size=4))
+    assert 'model.kind = \'credit\' with data.source = \'synthetic\'' in msg
+    assert "not a language model" in _refusal(lambda: plan_job(cfg, 4))
