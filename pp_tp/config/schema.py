@@ -175,8 +175,16 @@ BOUNDS: dict[str, tuple[tuple[str, float, bool], ...]] = {
     "model": tuple(
         (k, 1, True)
         for k in (
-            "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len", "channels",
-            "image_size", "patch_size",
+            "vocab_size",
+            "dim",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "ffn_dim",
+            "max_seq_len",
+            "channels",
+            "image_size",
+            "patch_size",
         )  # fmt: skip
     ),
     "parallel": (
