@@ -189,3 +189,5 @@ def test_credit_job_rules_and_planner_refusal():
     msg = _refusal(lambda: load_config(CREDIT_TOML, ['data.source="synthetic"'], world_size=4))
     assert "model.kind = 'credit' with data.source = 'synthetic'" in msg
     assert "not a language model" in _refusal(lambda: plan_job(cfg, 4))
+    lm = os.path.join(REPO, "toml_configs", "debug_cpu.toml")
+    assert "drop training.loss" in _refusal(lambda: load_config(lm, ['training.loss="mse"'], world_size=4))

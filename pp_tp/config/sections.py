@@ -31,13 +31,18 @@ def check_validation(v: ValidationConfig, data: DataConfig) -> ValidationConfig:
 
 
 def check_fields_job(cfg: JobConfig) -> None:
-    """The CREDIT-style model reads gridded fields (data.source = "fields") and only it does; its grid splits into
-    patches and its width into heads."""
+    """The CREDIT-style model reads gridded fields (data.source = "fields") and only it does, and only it takes a
+    training.loss; its grid splits into patches and its width into heads."""
     m = cfg.model
     if (m.kind == "credit") != (cfg.data.source == "fields"):
         raise ConfigError(
             f'model.kind = {m.kind!r} with data.source = {cfg.data.source!r}: gridded fields ("fields") go with '
             'model.kind = "credit" and only with it; set both or neither'
+        )
+    if cfg.training.loss and m.kind != "credit":
+        raise ConfigError(
+            f"training.loss = {cfg.training.loss!r} is for models that are not language models (model.kind = "
+            '"credit"); a language model trains on its token loss, so drop training.loss'
         )
     if m.kind == "credit" and m.image_size % m.patch_size:
         raise ConfigError(
