@@ -38,8 +38,12 @@ def focal_sum(out: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
 
 
 def _model(kind: str, device: str = "cpu") -> nn.Module:
+    """The model of `kind`: credit, vit, or credit_ri (credit whose MLP takes its input as one Replicate DTensor)."""
     with torch.device(device):
-        return CreditModel(CREDIT_ARGS) if kind == "credit" else ViT()
+        model = ViT() if kind == "vit" else CreditModel(CREDIT_ARGS)
+    for block in model.blocks if kind == "credit_ri" else ():
+        block._tp_plan = {"mlp": "replicate_input"}
+    return model
 
 
 def _state(kind: str) -> dict[str, torch.Tensor]:
@@ -53,7 +57,7 @@ def _state(kind: str) -> dict[str, torch.Tensor]:
 def _batch(kind: str, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and targets; the ViT's class targets have -100 spread unevenly over microbatches and DP ranks."""
     gen = torch.Generator().manual_seed(1)
-    if kind == "credit":
+    if kind.startswith("credit"):
         x = torch.randn(n, 4, 16, 16, generator=gen)
         return x, torch.randn(n, 4, 16, 16, generator=gen)
     x = torch.randn(n, 3, 16, 16, generator=gen)
@@ -105,6 +109,8 @@ CASES = [
     ("credit", "mse", "elements", dict(pp=2, dp_shard=2, microbatches=2)),
     # Declared TP under FSDP (2-D parameters) and full activation checkpointing, without PP.
     ("credit", "mse", "elements", dict(tp=2, dp_shard=2, microbatches=2, activation_checkpoint="full")),
+    # The 1x1-conv pair inside a "replicate_input" sub-block: still one all-reduce each way.
+    ("credit_ri", "l1", "elements", dict(pp=2, tp=2, microbatches=2)),
     ("vit", "cross_entropy", "elements", dict(pp=2, tp=2, microbatches=2)),
     ("vit", focal_sum, "elements", dict(pp=2, dp_shard=2, microbatches=2)),
     ("vit", focal_sum, "samples", dict(pp=2, tp=2, microbatches=4, schedule="GPipe")),

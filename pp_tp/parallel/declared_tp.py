@@ -53,11 +53,11 @@ class ConvChannelParallel(ParallelStyle):
             w = module.weight.to_local()  # differentiable: its gradient comes back as a DTensor of w's sharding
             b = module.bias.to_local() if module.bias is not None else None
             if column:
-                # Identity forward; backward all-reduces the input gradient, partial over this rank's channels.
-                x = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False).to_local(
-                    grad_placements=[Partial()]
-                )
-                return F.conv2d(x, w, b)
+                # Identity forward; the input gradient, partial over this rank's channels, is all-reduced in backward
+                # where x became a Replicate DTensor: here, or once for a whole "replicate_input" sub-block.
+                if not isinstance(x, DTensor):
+                    x = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+                return F.conv2d(x.to_local(grad_placements=[Partial()]), w, b)
             y = DTensor.from_local(F.conv2d(x, w), device_mesh, [Partial()], run_check=False)
             y = y.redistribute(device_mesh, [Replicate()]).to_local()  # the one forward all-reduce
             return y if b is None else y + b.view(1, -1, 1, 1)
