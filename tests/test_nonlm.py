@@ -29,7 +29,7 @@ from pp_tp.preflight import preflight
 from pp_tp.runtime.loss import LOSSES, SumLoss
 from pp_tp.train.trainer import train
 
-CREDIT_ARGS = CreditArgs(channels=4, image_size=16, patch_size=4, dim=32, n_layers=4, n_heads=4, ffn_dim=64)
+CREDIT_ARGS = CreditArgs(channels=4, image_size=16, patch_size=4, dim=32, n_layers=2, n_heads=4, ffn_dim=64)
 
 
 def focal_sum(out: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
@@ -40,7 +40,7 @@ def focal_sum(out: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
 def _model(kind: str, device: str = "cpu") -> nn.Module:
     """The model of `kind`: credit, vit, or credit_ri (credit whose MLP takes its input as one Replicate DTensor)."""
     with torch.device(device):
-        model = ViT() if kind == "vit" else CreditModel(CREDIT_ARGS)
+        model = ViT(depth=2) if kind == "vit" else CreditModel(CREDIT_ARGS)
     for block in model.blocks if kind == "credit_ri" else ():
         block._tp_plan = {"mlp": "replicate_input"}
     return model
@@ -171,12 +171,12 @@ def test_declared_tp_refusals():
     model.blocks[0]._tp_row = ["attn.proj", "mlp.3"]
     assert "_tp_row path 'mlp.3' names no submodule" in _refusal(lambda: check_tp_plan(model, CREDIT, pc))
     model = _model("credit", "meta")
-    model.blocks[2].mlp.insert(2, nn.LayerNorm(64))
-    model.blocks[2]._tp_row = ["attn.proj", "mlp.3"]
+    model.blocks[1].mlp.insert(2, nn.LayerNorm(64))
+    model.blocks[1]._tp_row = ["attn.proj", "mlp.3"]
     assert "parameter 'mlp.2.weight' sits in 'mlp' beside" in _refusal(lambda: check_tp_plan(model, CREDIT, pc))
     model = _model("credit", "meta")
-    model.blocks[2].mlp[0] = nn.Conv2d(32, 63, 1)  # 63 channels do not split over tp = 2
-    assert "blocks.2.mlp.0.weight dim 0 = 63 is not divisible" in _refusal(lambda: check_tp_plan(model, CREDIT, pc))
+    model.blocks[1].mlp[0] = nn.Conv2d(32, 63, 1)  # 63 channels do not split over tp = 2
+    assert "blocks.1.mlp.0.weight dim 0 = 63 is not divisible" in _refusal(lambda: check_tp_plan(model, CREDIT, pc))
 
 
 def test_non_lm_needs_a_loss():
