@@ -60,12 +60,12 @@ def meta_skeleton(model: nn.Module) -> nn.Module:
 
 
 def _boundary(t: torch.Tensor, act_dtype: torch.dtype) -> torch.Tensor:
-    """A meta tensor like `t` as it crosses a boundary: floating activations in the compute dtype, with gradient."""
+    """A meta tensor like `t` as it crosses a boundary: fp32 activations (what the fp32 skeleton computes) in the
+    compute dtype, other dtypes as they are; floating ones carry a gradient back."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"a stage returned a {type(t).__name__}; stage boundaries carry one plain tensor")
-    if t.is_floating_point():
-        return torch.empty(t.shape, dtype=act_dtype, device="meta", requires_grad=True)
-    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+    dtype = act_dtype if t.dtype == torch.float32 else t.dtype
+    return torch.empty(t.shape, dtype=dtype, device="meta", requires_grad=t.is_floating_point())
 
 
 class InferredShapes:
