@@ -57,7 +57,7 @@ def minimum(pipe, args: ModelArgs, mb: int, seq: int) -> dict[tuple[str, str], t
 
     for stage in pipe.model_parts:
         s = stage.spec.index
-        blocks = stage.blocks()
+        blocks = stage.block_modules()
         in_blocks = {id(p) for b in blocks for p in b.parameters()}
         units = [list(b.parameters()) for b in blocks] + [[p for p in stage.parameters() if id(p) not in in_blocks]]
         for unit in filter(None, units):

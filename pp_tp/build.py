@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -17,10 +17,30 @@ from pp_tp.materialize import build_local_stages
 from pp_tp.mesh import rank_device
 from pp_tp.parallel.fsdp import grad_factor
 from pp_tp.preflight import Preflight, check_seq_len, preflight
-from pp_tp.runtime.pipeline import BoundaryShapes, BuiltStages, Pipeline
+from pp_tp.runtime.boundary import BoundaryShapes, InferredShapes, meta_skeleton
+from pp_tp.runtime.loss import SumLoss
+from pp_tp.runtime.pipeline import BuiltStages, Pipeline
 from pp_tp.stages.stage_module import StageModule
 from pp_tp.stages.tied import TiedWeights, tied_names
 from pp_tp.verdict import agreed
+
+
+def _shapes(
+    checked: Preflight, pcfg: ParallelConfig, skeleton: nn.Module | None
+) -> Callable[[tuple[int, ...], torch.dtype], BoundaryShapes | InferredShapes]:
+    """The boundary tensors for a microbatch of inputs: a language model's from its dims, any other model's inferred
+    on `skeleton` (the meta copy of the model)."""
+    d = checked.dims
+    act_dtype = torch.bfloat16 if pcfg.mixed_precision == "bf16" else torch.float32
+    vocab_local = d.vocab_size // pcfg.tp if pcfg.loss_parallel else d.vocab_size
+
+    def shapes(microbatch: tuple[int, ...], dtype: torch.dtype) -> BoundaryShapes | InferredShapes:
+        if skeleton is not None:
+            return InferredShapes(skeleton, checked.layout, checked.plan, microbatch, dtype, act_dtype)
+        check_seq_len(microbatch[1], d, key="Pipeline.step: the batch's seq")
+        return BoundaryShapes(microbatch[0], microbatch[1], d.dim, vocab_local, act_dtype)
+
+    return shapes
 
 
 def build_pipeline(
@@ -33,40 +53,39 @@ def build_pipeline(
     seq_len: int | None = None,
     checkpoint: str | None = None,
     source_dir: str | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | str | None = None,
+    loss_normalizer: str = "elements",
 ) -> Pipeline:
     """This rank's share of `model` as pipeline stages with TP and FSDP, and the schedule that runs them.
 
     `model` is the full model on the meta device (values from `seed`, or `state_dict` keyed by FQN) or
     holding weights (they are used, persistent buffers included). `checkpoint`: an HF model directory whose
     safetensors fill the stages, each rank reading only its own slices. `source_dir`: the HF directory the model
-    comes from, whose generation_config.json `save_pretrained` keeps (default: `checkpoint`). Every check and the
+    comes from, whose generation_config.json `save_pretrained` keeps (default: `checkpoint`). `loss_fn` (a callable
+    with reduction="sum" or "mse", "l1", "cross_entropy") over the global `loss_normalizer`: runtime/loss.py:SumLoss;
+    `Pipeline.step(inputs, targets)` then takes any tensors, boundaries inferred per input shape. Every check and the
     local build run before any collective; then one exchange makes every rank refuse together (the same line) or
     go on together.
     """
     pp_rank, device = mesh.get_local_rank("pp"), rank_device(mesh)
     tied = tied_names(model)  # before the stages are materialized, which unties the shared modules
+    skeleton = meta_skeleton(model) if loss_fn is not None else None  # boundary shapes are inferred on it
     casts: Counter = Counter()
 
-    def local_build() -> tuple[ParallelConfig, FsdpPolicy, Preflight, list[StageModule]]:
+    def local_build() -> tuple[ParallelConfig, FsdpPolicy, Preflight, list[StageModule], SumLoss | None]:
         """Every check and this rank's stages, with no communication; ranks agree on the outcome below."""
         resolved = resolve_parallel(pcfg, dist.get_world_size())
         fsdp = FsdpPolicy.for_rank(resolved, pp_rank)
-        checked = preflight(model, resolved, mesh.device_type, seq_len)
+        checked = preflight(model, resolved, mesh.device_type, seq_len, custom_loss=loss_fn is not None)
+        loss = SumLoss(loss_fn, loss_normalizer) if loss_fn is not None else None
         source = open_checked(checkpoint, model) if checkpoint else None
         stages = build_local_stages(
             model, checked.layout, checked.plan, pp_rank, mesh, resolved, fsdp, device, seed, state_dict, source, casts
         )
-        return resolved, fsdp, checked, stages
+        return resolved, fsdp, checked, stages, loss
 
-    pcfg, fsdp, checked, stages = agreed(local_build)  # one verdict: every rank refuses together, or none does
-    d, plan = checked.dims, checked.plan
-    act_dtype = torch.bfloat16 if pcfg.mixed_precision == "bf16" else torch.float32
-    vocab_local = d.vocab_size // pcfg.tp if pcfg.loss_parallel else d.vocab_size
-
-    def shapes(microbatch: int, seq: int) -> BoundaryShapes:
-        check_seq_len(seq, d, key="Pipeline.step: the batch's seq")
-        return BoundaryShapes(microbatch, seq, d.dim, vocab_local, act_dtype)
-
+    pcfg, fsdp, checked, stages, loss = agreed(local_build)  # one verdict: every rank refuses together, or none does
+    plan = checked.plan
     built = BuiltStages(
         stages,
         plan,
@@ -74,8 +93,9 @@ def build_pipeline(
         pcfg,
         fsdp,
         device,
-        shapes,
+        _shapes(checked, pcfg, skeleton),
         grad_factor(pcfg),
+        loss=loss,
         tp_loss_mesh=mesh["tp"] if pcfg.loss_parallel and pcfg.tp > 1 else None,
         tied=TiedWeights(tied, plan, mesh) if tied else None,
         hf_config=getattr(model, "config", None),

@@ -5,7 +5,7 @@ call a block); a schedule a `ScheduleSpec`; a TP style name a factory. Register 
 `pp_tp.model_layouts` / `pp_tp.schedules` entry points (see pp_tp.plugins). docs/design.md explains each.
 """
 
-from pp_tp.layout import ModelDims, ModelLayout, layout_for, register_layout
+from pp_tp.layout import ModelDims, ModelLayout, blocks_layout, layout_for, register_layout
 from pp_tp.parallel.tensor_parallel import register_tp_style
 from pp_tp.schedules.registry import ScheduleSpec, register_schedule
 from pp_tp.seeded_init import default_init_std, seeded_value
@@ -14,6 +14,7 @@ __all__ = [
     "ModelDims",
     "ModelLayout",
     "ScheduleSpec",
+    "blocks_layout",
     "default_init_std",
     "layout_for",
     "register_layout",

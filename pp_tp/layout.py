@@ -56,6 +56,10 @@ class ModelLayout:
     row-parallel); without it parallel.tp > 1 is refused for a model with experts.
     ``specialize(model)``: for a layout that matches a whole family (e.g. every Hugging Face decoder LM), the
     layout of this one model; it may refuse the model in one line.
+    ``pre`` / ``post``: for a model that is not a language model (a ViT, a weather model), the modules the first
+    stage runs in order before the blocks (patch embedding, ...) and the last one after them (norm, head, ...), any
+    names; they replace ``embed`` and ``norm`` -> ``head`` (leave those "", or build it with `blocks_layout`). Such
+    a model takes any input tensor, hands on whatever its stages output, and trains with the caller's loss.
     """
 
     name: str
@@ -80,10 +84,49 @@ class ModelLayout:
     static_block_inputs: bool = False
     experts: tuple[str, ...] = ()
     experts_tp: bool = False
+    pre: tuple[str, ...] = ()
+    post: tuple[str, ...] = ()
+
+    @property
+    def is_lm(self) -> bool:
+        """A language model: token ids in, an embedding first, vocabulary logits out of a head last."""
+        return not (self.pre or self.post)
+
+    @property
+    def first_fqns(self) -> tuple[str, ...]:
+        """The modules the first stage runs, in order, before its blocks."""
+        return self.pre if not self.is_lm else (self.embed,)
+
+    @property
+    def last_fqns(self) -> tuple[str, ...]:
+        """The modules the last stage runs, in order, after its blocks."""
+        return self.post if not self.is_lm else (self.norm, self.head)
 
     def block_keys(self, model: nn.Module) -> list[str]:
         """The blocks' names inside the blocks container, in execution order."""
         return [name for name, _ in model.get_submodule(self.blocks).named_children()]
+
+
+def blocks_layout(
+    name: str,
+    matches: Callable[[nn.Module], bool],
+    dims: Callable[[nn.Module], ModelDims],
+    pre: tuple[str, ...],
+    blocks: str,
+    post: tuple[str, ...],
+    **extra: Any,
+) -> ModelLayout:
+    """The layout of a model that is not a language model: `pre` modules, a blocks container, `post` modules, each
+    block called as `block(h)` unless `extra` says otherwise (any ModelLayout field)."""
+    fields = dict(
+        shared=(),
+        block_inputs=lambda stage, h: (),
+        call_block=lambda block, h, extras: block(h, *extras),
+        init_buffers=lambda stage, model: None,
+    )
+    fields.update(extra)
+    return ModelLayout(name=name, matches=matches, dims=dims, embed="", blocks=blocks, norm="", head="",
+                       pre=pre, post=post, **fields)  # fmt: skip
 
 
 _LAYOUTS: list[ModelLayout] = []

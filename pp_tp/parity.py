@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from pp_tp.mesh import dp_rank, dp_size
 from pp_tp.parallel.grads import clip_grad_norm_
+from pp_tp.runtime.loss import SumLoss, target_count
 from pp_tp.runtime.pipeline import Pipeline
 from pp_tp.tensor_utils import full_tensor, persistent_buffers
 
@@ -42,11 +43,17 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 class ReferenceRun:
-    """The model in one process: each step zero_grad, mean token loss on the whole batch, backward, clip (with
-    `max_norm`, torch's clip_grad_norm_), optimizer step."""
+    """The model in one process: each step zero_grad, mean token loss (or `loss`'s sum over its normalizer) on the
+    whole batch, backward, clip (with `max_norm`, torch's clip_grad_norm_), optimizer step."""
 
-    def __init__(self, model: nn.Module, make_optimizer: MakeOptimizer, max_norm: float | None = None):
-        self.model, self.max_norm = model, max_norm
+    def __init__(
+        self,
+        model: nn.Module,
+        make_optimizer: MakeOptimizer,
+        max_norm: float | None = None,
+        loss: SumLoss | None = None,
+    ):
+        self.model, self.max_norm, self.loss = model, max_norm, loss
         self.optimizer = make_optimizer(list(model.parameters()))
         self.losses: list[float] = []
         self.norms: list[float] = []
@@ -54,7 +61,11 @@ class ReferenceRun:
     def step(self, ids: torch.Tensor, labels: torch.Tensor) -> float:
         self.optimizer.zero_grad()
         device = next(self.model.parameters()).device
-        loss = mean_token_loss(self.model, ids.to(device), labels.to(device))
+        ids, labels = ids.to(device), labels.to(device)
+        if self.loss is None:
+            loss = mean_token_loss(self.model, ids, labels)
+        else:
+            loss = self.loss.fn(self.model(ids), labels) / target_count(labels, self.loss.normalizer)
         loss.backward()
         if self.max_norm is not None:
             self.norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)))

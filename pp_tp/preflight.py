@@ -18,6 +18,7 @@ from pp_tp.parallel.experts import check_experts
 from pp_tp.parallel.float8 import check_float8
 from pp_tp.parallel.tensor_parallel import check_tp_plan
 from pp_tp.split.plan import StagePlan, plan_stages
+from pp_tp.stages.stage_module import reserved_name
 
 
 @dataclass(frozen=True)
@@ -67,12 +68,39 @@ def check_tied(pcfg: ParallelConfig, d: ModelDims) -> None:
         )
 
 
-def preflight(model: nn.Module, pcfg: ParallelConfig, device_type: str, seq_len: int | None = None) -> Preflight:
-    """All model-dependent refusals for `model` under a resolved `pcfg`, in one order; no communication."""
+def check_loss(layout: ModelLayout, pcfg: ParallelConfig, custom_loss: bool) -> None:
+    """A model that is not a language model has no token loss; the caller's loss gets the whole output."""
+    if not layout.is_lm and not custom_loss:
+        raise ConfigError(
+            f"model layout {layout.name!r} is not a language model, so it has no token loss; set [training] loss "
+            '(e.g. "mse") or pass build_pipeline(loss_fn=...)'
+        )
+    if custom_loss and pcfg.loss_parallel:
+        raise ConfigError("parallel.loss_parallel shards logits for the token loss; set it to false with your own loss")
+
+
+def check_layout_names(layout: ModelLayout) -> None:
+    """Each stage holds the model's modules under their own names, so none may be a stage attribute's name."""
+    tops = {f.split(".")[0] for f in (*layout.first_fqns, layout.blocks, *layout.last_fqns, *layout.shared)}
+    taken = sorted(n for n in tops if reserved_name(n))
+    if taken:
+        raise ConfigError(
+            f"model layout {layout.name!r}: module {taken[0]!r} has the name of a pipeline stage attribute; "
+            "rename that module in the model"
+        )
+
+
+def preflight(
+    model: nn.Module, pcfg: ParallelConfig, device_type: str, seq_len: int | None = None, custom_loss: bool = False
+) -> Preflight:
+    """All model-dependent refusals for `model` under a resolved `pcfg`, in one order; no communication.
+    `custom_loss`: the job brings its own loss (build_pipeline's loss_fn, [training] loss)."""
     layout = layout_for(model)
     d = layout.dims(model)
+    check_layout_names(layout)
+    check_loss(layout, pcfg, custom_loss)
     check_model_shape(pcfg, d)
-    if seq_len is not None:
+    if seq_len is not None and layout.is_lm:  # other models take no token sequence
         check_seq_len(seq_len, d)
     check_tied(pcfg, d)
     check_tp_plan(model, layout, pcfg)

@@ -93,7 +93,7 @@ def ledger_case(kw: dict, args=pu.TINY, steps: int = 2, gather_fix: bool = True)
     replicate = mesh.get_group("dp_replicate").group_name
     fsdp_kinds = ("all_gather", "reduce_scatter")  # the dp group also carries the loss's scalar all-reduces
     return {
-        "stage_units": {p.spec.index: len(p.blocks()) + (p.is_first or p.is_last) for p in pipe.model_parts},
+        "stage_units": {p.spec.index: len(p.block_modules()) + (p.is_first or p.is_last) for p in pipe.model_parts},
         "fsdp": [{k: v for k, v in led.counts(s, group=dp).items() if k in fsdp_kinds} for s in range(steps)],
         "fsdp_bytes": [led.bytes(s, group=dp) for s in range(steps)],
         "pp": led.counts(-1, group=mesh.get_group("pp")),
@@ -101,7 +101,7 @@ def ledger_case(kw: dict, args=pu.TINY, steps: int = 2, gather_fix: bool = True)
         "replicate_grad_all_reduces": sum(
             e.group == replicate and e.kind == "all_reduce" and e.nbytes > 8 for e in led.events if e.step == steps - 1
         ),
-        "units": sum(len(p.blocks()) + (p.is_first or p.is_last) for p in pipe.model_parts),
+        "units": sum(len(p.block_modules()) + (p.is_first or p.is_last) for p in pipe.model_parts),
         "param_bytes": sum(p.numel() * 4 for part in pipe.model_parts for p in part.parameters()),
     }
 

@@ -70,7 +70,7 @@ def test_activation_checkpoint_recomputes_with_same_names_and_grads(mode, attn_r
 def test_selective_checkpoint_finds_the_hf_attention():
     stage, pcfg = whole_stage(pu.make_hf_llama(pu.TINY), activation_checkpoint="selective")
     apply_activation_checkpoint(stage, None, pcfg)
-    block = stage.blocks()[0]
+    block = stage.block_modules()[0]
     assert is_checkpointed(block.self_attn) and not is_checkpointed(block) and not is_checkpointed(block.mlp)
 
 
@@ -86,9 +86,10 @@ def test_selective_checkpoint_without_attention_module_is_refused():
 def test_compile_is_per_block_and_keeps_names():
     stage, pcfg = whole_stage(pu.make_model(device="meta"), compile=True)
     names = [n for n, _ in stage.named_parameters()]
-    assert apply_compile(stage, None, replace(pcfg, compile=False)) is False and not is_compiled(stage.blocks()[0])
+    first = stage.block_modules()[0]
+    assert apply_compile(stage, None, replace(pcfg, compile=False)) is False and not is_compiled(first)
     assert apply_compile(stage, None, pcfg) is True
-    assert all(is_compiled(b) for b in stage.blocks()) and not is_compiled(stage)
+    assert all(is_compiled(b) for b in stage.block_modules()) and not is_compiled(stage)
     assert [n for n, _ in stage.named_parameters()] == names
 
 
@@ -96,7 +97,7 @@ def test_compile_is_per_block_and_keeps_names():
 
 
 def _snapshot(stage: StageModule) -> dict:
-    block = stage.blocks()[0]
+    block = stage.block_modules()[0]
     return {
         "tp_sharded": isinstance(block.attention.wq.weight, DTensor),
         "float8": sum(_is_float8(m) for m in block.modules()),

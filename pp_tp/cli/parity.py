@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,9 @@ from pp_tp.layout import layout_for
 from pp_tp.mesh import init_distributed
 from pp_tp.models.factory import build_model
 from pp_tp.parity import PipelineRun, ReferenceRun, lockstep
+from pp_tp.runtime.loss import SumLoss
 from pp_tp.seeded_init import init_weights
+from pp_tp.train.data import ShardedBatches, make_source
 
 DEFAULT_TOL = {"fp32": 1e-4, "bf16": 5e-2}
 
@@ -38,6 +41,15 @@ def synthetic_batch(cfg: JobConfig, step: int) -> tuple[torch.Tensor, torch.Tens
     return ids[:, :-1].contiguous(), labels
 
 
+def parity_batches(cfg: JobConfig, steps: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The global batches compared: random padded tokens for a language model; with `[training] loss` (a model that
+    is not an LM) the job's own data source, whose inputs and targets a token batch could not stand in for."""
+    if not cfg.training.loss:
+        return (synthetic_batch(cfg, step) for step in range(1, steps + 1))
+    loader = ShardedBatches(make_source(cfg), cfg.training.batch_size, 0, 1, seed=cfg.training.seed)
+    return (loader.next() for _ in range(steps))
+
+
 def run_parity(cfg: JobConfig, steps: int, tol: float | None) -> int:
     """Per-rank work; returns 0 when every step's loss, gradients, parameters and buffers are within `tol` on every
     rank (pp_tp/parity.py compares them)."""
@@ -48,16 +60,18 @@ def run_parity(cfg: JobConfig, steps: int, tol: float | None) -> int:
     layout = layout_for(model)
     init_weights(model, cfg.model.seed, layout.dims(model).n_layers, layout.init_std)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    pipe = pp_tp.build_pipeline(build_model(cfg.model, "meta"), mesh, cfg.parallel, state_dict=state)
     t = cfg.training
+    pipe = pp_tp.build_pipeline(
+        build_model(cfg.model, "meta"), mesh, cfg.parallel, state_dict=state, loss_fn=t.loss or None
+    )
 
     def adamw(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
 
-    run, ref = PipelineRun(pipe, adamw), ReferenceRun(model.to(pipe.device), adamw)
+    loss = SumLoss(t.loss) if t.loss else None
+    run, ref = PipelineRun(pipe, adamw), ReferenceRun(model.to(pipe.device), adamw, loss=loss)
     rows, ok = [], True
-    batches = (synthetic_batch(cfg, step) for step in range(1, steps + 1))
-    for step, d in enumerate(lockstep(run, ref, batches), start=1):
+    for step, d in enumerate(lockstep(run, ref, parity_batches(cfg, steps)), start=1):
         worst = torch.tensor([d.grad_err, d.param_err, d.buffer_err], dtype=torch.float64, device=pipe.device)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # each rank compared only its own parameters
         errs = [d.loss_err, *worst.tolist()]

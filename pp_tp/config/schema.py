@@ -54,11 +54,16 @@ class ModelShape:
 class ModelConfig(ModelShape):
     """`[model]`: the reference Transformer's shape; `kind = "hf_llama"` builds a HF LlamaForCausalLM of it;
     `hf_path = "DIR"` builds any Hugging Face decoder LM from DIR/config.json (its shape keys then come
-    from config.json, and any given beside it must agree)."""
+    from config.json, and any given beside it must agree). `kind = "credit"` builds the CREDIT-style weather
+    model (pp_tp.models.credit) from dim, n_layers, n_heads, ffn_dim and its grid keys: `channels` variables
+    on an `image_size` x `image_size` grid cut into `patch_size` patches."""
 
     kind: str = "reference"
     hf_path: str = ""
     seed: int = 0
+    channels: int = 4
+    image_size: int = 16
+    patch_size: int = 4
 
 
 @dataclass
@@ -124,6 +129,7 @@ class TrainingConfig:
     metrics_file: str = ""
     comm_timeout_s: float = 300.0
     skip_nonfinite: bool = False  # a non-finite loss or grad norm skips the step (counted) instead of stopping
+    loss: str = ""  # "": the language model's token loss; else a name in LOSS_NAMES (models that are not LMs)
 
 
 @dataclass
@@ -162,10 +168,14 @@ class JobConfig:
     validation: ValidationConfig = field(default_factory=ValidationConfig)
 
 
+# `[training] loss` names (pp_tp.runtime.loss.LOSSES implements them, each summed and divided by the global count).
+LOSS_NAMES = ("mse", "l1", "cross_entropy")
+
 # Allowed strings per section and key. A str|int field (fsdp_reshard_after_forward, fsdp_grad_reduce) is
 # checked here only when it holds a string.
 CHOICES: dict[str, dict[str, tuple[str, ...]]] = {
-    "model": {"kind": ("reference", "hf_llama"), "router": ("softmax", "sigmoid")},
+    "model": {"kind": ("reference", "hf_llama", "credit"), "router": ("softmax", "sigmoid")},
+    "training": {"loss": ("", *LOSS_NAMES)},
     "parallel": {
         "split": ("even", "weighted", "balanced", "layers_per_stage", "explicit"),
         "fsdp_reshard_after_forward": ("default", "always", "never", "auto"),
@@ -175,13 +185,27 @@ CHOICES: dict[str, dict[str, tuple[str, ...]]] = {
         "activation_checkpoint": ("none", "full", "selective"),
         "embedding": ("replicate", "vocab_parallel"),
     },
-    "data": {"source": ("synthetic", "text")},
+    "data": {"source": ("synthetic", "text", "fields")},
 }
 
 # (key, lower bound, whether the bound itself is allowed). dp_shard (-1 allowed) has its own check.
 BOUNDS: dict[str, tuple[tuple[str, float, bool], ...]] = {
     "model": (
-        *((k, 1, True) for k in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len")),
+        *(
+            (k, 1, True)
+            for k in (
+                "vocab_size",
+                "dim",
+                "n_layers",
+                "n_heads",
+                "n_kv_heads",
+                "ffn_dim",
+                "max_seq_len",
+                "channels",
+                "image_size",
+                "patch_size",
+            )
+        ),  # fmt: skip
         *((k, 1, True) for k in ("top_k", "moe_ffn_dim", "moe_every")),
         ("n_experts", 0, True),
         ("n_shared_experts", 0, True),

@@ -1,11 +1,11 @@
-"""Cross-key checks of the `[validation]` section and the `[model]` experts keys (kept apart from validate.py,
-which is near its size limit)."""
+"""Cross-key checks of the `[validation]` section, the `[model]` experts keys and the gridded-fields job (kept apart
+from validate.py, which is near its size limit)."""
 
 from __future__ import annotations
 
 import os
 
-from pp_tp.config.schema import CHOICES, DataConfig, ModelConfig, ModelShape, ValidationConfig
+from pp_tp.config.schema import CHOICES, DataConfig, JobConfig, ModelConfig, ModelShape, ValidationConfig
 from pp_tp.errors import ConfigError
 
 
@@ -59,3 +59,26 @@ def check_moe(m: ModelShape) -> None:
             f"model.moe_every = {m.moe_every} exceeds model.n_layers = {m.n_layers}, so no layer holds experts; "
             f"set model.moe_every <= {m.n_layers}"
         )
+
+
+def check_fields_job(cfg: JobConfig) -> None:
+    """The CREDIT-style model reads gridded fields (data.source = "fields") and only it does, and only it takes a
+    training.loss; its grid splits into patches and its width into heads."""
+    m = cfg.model
+    if (m.kind == "credit") != (cfg.data.source == "fields"):
+        raise ConfigError(
+            f'model.kind = {m.kind!r} with data.source = {cfg.data.source!r}: gridded fields ("fields") go with '
+            'model.kind = "credit" and only with it; set both or neither'
+        )
+    if cfg.training.loss and m.kind != "credit":
+        raise ConfigError(
+            f"training.loss = {cfg.training.loss!r} is for models that are not language models (model.kind = "
+            '"credit"); a language model trains on its token loss, so drop training.loss'
+        )
+    if m.kind == "credit" and m.image_size % m.patch_size:
+        raise ConfigError(
+            f"model.image_size = {m.image_size} is not divisible by model.patch_size = {m.patch_size}; "
+            "pick a patch size dividing the grid"
+        )
+    if m.kind == "credit" and m.dim % m.n_heads:
+        raise ConfigError(f"model.dim = {m.dim} is not divisible by model.n_heads = {m.n_heads}; change either")

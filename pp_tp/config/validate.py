@@ -8,7 +8,7 @@ import os
 from pp_tp.config.fields import checked
 from pp_tp.config.fsdp_policy import check_policy_keys, schedule_reshard
 from pp_tp.config.schema import SPLIT_ARGS, DataConfig, JobConfig, ParallelConfig, TrainingConfig
-from pp_tp.config.sections import check_moe, check_validation
+from pp_tp.config.sections import check_fields_job, check_moe, check_validation
 from pp_tp.errors import ConfigError
 from pp_tp.schedules.registry import check_schedule, default_stages_per_rank, splits_weight_grad
 
@@ -25,6 +25,7 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> JobConfig:
     parallel = resolve_parallel(cfg.parallel, world_size)
     model = checked("model", cfg.model)
     check_moe(model)
+    check_fields_job(cfg)
     return JobConfig(
         model=model,
         parallel=parallel,

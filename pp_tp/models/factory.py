@@ -10,6 +10,7 @@ from torch import nn
 from pp_tp.config import ModelConfig
 from pp_tp.errors import ConfigError
 from pp_tp.layout import layout_for
+from pp_tp.models.credit.model import CreditArgs, CreditModel
 from pp_tp.models.hf.build import hf_causal_lm, hf_config
 from pp_tp.models.reference.model import ModelArgs, Transformer
 
@@ -55,9 +56,15 @@ def resolve_model_config(mcfg: ModelConfig) -> ModelConfig:
 
 def build_model(mcfg: ModelConfig, device: str | torch.device = "meta") -> nn.Module:
     """`hf_path`: the Hugging Face causal LM of DIR/config.json; `kind = "reference"`: our Transformer;
-    `kind = "hf_llama"`: a transformers LlamaForCausalLM of the same shape."""
+    `kind = "hf_llama"`: a transformers LlamaForCausalLM of the same shape; `kind = "credit"`: the CREDIT-style
+    weather model."""
     if mcfg.hf_path:
         return hf_causal_lm(hf_config(mcfg.hf_path), device)
+    if mcfg.kind == "credit":
+        m = mcfg
+        args = CreditArgs(m.channels, m.image_size, m.patch_size, m.dim, m.n_layers, m.n_heads, m.ffn_dim)
+        with torch.device(device):
+            return CreditModel(args)
     args = model_args(mcfg)
     if mcfg.kind == "hf_llama":
         from transformers import LlamaConfig, LlamaForCausalLM

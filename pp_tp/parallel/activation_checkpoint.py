@@ -52,8 +52,8 @@ def _attention(block: nn.Module, name: str) -> nn.Module:
 def apply_activation_checkpoint(stage: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig) -> bool:
     """Checkpoints every block (`full`) or every block's attention (`selective`); True when it changed the stage."""
     mode = pcfg.activation_checkpoint
-    if mode == "none" or not stage.blocks():
+    if mode == "none" or not stage.block_modules():
         return False
-    for block in stage.blocks():
+    for block in stage.block_modules():
         checkpoint_module(block if mode == "full" else _attention(block, stage.layout.attention))
     return True

@@ -16,8 +16,8 @@ from pp_tp.config import ParallelConfig
 
 def apply_compile(stage: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig) -> bool:
     """Compiles every block of the stage in place; True when it changed the stage."""
-    if not pcfg.compile or not stage.blocks():
+    if not pcfg.compile or not stage.block_modules():
         return False
-    for block in stage.blocks():
+    for block in stage.block_modules():
         block.compile(backend=pcfg.compile_backend)
     return True

@@ -161,7 +161,7 @@ def apply_experts(stage: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig) -> b
     """Expert parallel and TP of experts on the stage's experts modules; no-op when ep == tp == 1."""
     if pcfg.ep == 1 and pcfg.tp == 1:
         return False
-    found = [m for block in stage.blocks() for _, m in experts_modules(block, stage.layout)]
+    found = [m for block in stage.block_modules() for _, m in experts_modules(block, stage.layout)]
     for module in found:
         shard_experts(module, mesh, pcfg)
     return bool(found)

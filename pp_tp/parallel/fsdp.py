@@ -46,7 +46,7 @@ def mixed_precision_policy(pcfg: ParallelConfig) -> MixedPrecisionPolicy:
 
 
 def apply_fsdp(stage: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig, policy: FsdpPolicy) -> bool:
-    """`fully_shard` on each block (StageModule.blocks()), then on the stage (root: embed, norm, head), as this
+    """`fully_shard` on each block (StageModule.block_modules()), then on the stage (root: embed, norm, head), as this
     pp rank's `policy` says."""
     if not policy.shards:
         return False
@@ -55,7 +55,7 @@ def apply_fsdp(stage: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig, policy:
         "reshard_after_forward": policy.reshard_after_forward,
         "mp_policy": mixed_precision_policy(pcfg),
     }
-    for block in stage.blocks():
+    for block in stage.block_modules():
         if pcfg.ep > 1:
             _shard_moe(block, stage.layout, mesh, pcfg, kwargs)
         fully_shard(block, **kwargs)

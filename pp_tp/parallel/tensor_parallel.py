@@ -33,6 +33,7 @@ from torch.distributed.tensor.parallel import (
 from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
 from pp_tp.layout import ModelLayout
+from pp_tp.parallel.declared_tp import ConvChannelParallel, declared_plan
 
 if TYPE_CHECKING:  # annotations only: parallel/ is applied to stage modules, it does not build them
     from pp_tp.stages.stage_module import StageModule
@@ -89,6 +90,9 @@ STYLES: dict[str, Callable[[], ParallelStyle | None]] = {
     "replicate": lambda: None,
     # On an attention / MLP module: one all-reduce of its input gradient per microbatch (ReplicateInput).
     "replicate_input": ReplicateInput,
+    # A plain 1x1 nn.Conv2d split on output / input channels (declared with _tp_col / _tp_row; declared_tp.py).
+    "conv_colwise": lambda: ConvChannelParallel(column=True),
+    "conv_rowwise": lambda: ConvChannelParallel(column=False),
 }
 
 # Column-parallel styles whose output is gathered back to full width (replicated).
@@ -96,9 +100,16 @@ _GATHERED = {"colwise_gather_output"}
 # Styles that only prepare a module's inputs: its Linear layers still need rules of their own.
 _INPUT_STYLES = {"replicate_input"}
 
-# The nn.Linear weight dim each style splits, for the divisibility check (blocks hold Linear layers;
+# The nn.Linear / nn.Conv2d weight dim each style splits, for the divisibility check (blocks hold Linear layers;
 # the embedding's vocabulary is checked with the model shape).
-_LINEAR_SHARDED_DIM = {"colwise": 0, "colwise_gather_output": 0, "rowwise": 1, "rowwise_split_input": 1}
+_LINEAR_SHARDED_DIM = {
+    "colwise": 0,
+    "colwise_gather_output": 0,
+    "rowwise": 1,
+    "rowwise_split_input": 1,
+    "conv_colwise": 0,
+    "conv_rowwise": 1,
+}
 
 
 def register_tp_style(
@@ -176,12 +187,14 @@ def verify(module: nn.Module, plan: Mapping[str, str]) -> PlanReport:
     return PlanReport(resolved, unmatched, unsharded, unplanned)
 
 
-def block_plan(block: nn.Module, layout: ModelLayout) -> dict[str, str]:
-    """A block's own `_tp_plan` if it declares one, else the layout's rules this block has (a model may mix
-    dense and MoE blocks) plus its q/k norms; `check_tp_plan` refuses a layout rule no block has."""
+def block_plan(block: nn.Module, layout: ModelLayout, where: str = "") -> dict[str, str]:
+    """A block's own `_tp_plan` if it declares one, else the layout's rules this block has (a model may mix dense
+    and MoE blocks) plus its q/k norms; then the column/row pairs it declares with `_tp_col` / `_tp_row`
+    (declared_tp.py; `where` names the block in errors). `check_tp_plan` refuses a layout rule no block has."""
+    pairs = declared_plan(block, where or f"block {type(block).__name__}")
     declared = getattr(block, "_tp_plan", None)
     if declared is not None:
-        return dict(declared)
+        return {**declared, **pairs}
     present = [n for n, _ in block.named_modules() if n]
     plan = {rule: style for rule, style in layout.tp_plan.items() if any(matches_rule(rule, n) for n in present)}
     # A sub-block's input replication only where its sharded layers are (not on an MoE block's dense-MLP rule).
@@ -191,17 +204,18 @@ def block_plan(block: nn.Module, layout: ModelLayout) -> dict[str, str]:
         if style not in _INPUT_STYLES
         or any(r.rpartition(".")[0] == rule and s not in _INPUT_STYLES for r, s in plan.items())
     }
-    return {**plan, **{n: "replicated_with_grad_allreduce" for n in layout.qk_norms if n in present}}
+    qk = {n: "replicated_with_grad_allreduce" for n in layout.qk_norms if n in present}
+    return {**plan, **qk, **pairs}
 
 
 def stage_plan(stage: StageModule, pcfg: ParallelConfig) -> dict[str, str]:
     """The plan for one StageModule: embedding per `parallel.embedding`, its blocks, and the head
     (vocab-sharded logits with `parallel.loss_parallel`, gathered logits otherwise)."""
     lay = stage.layout
-    plan = {lay.embed: pcfg.embedding} if stage.is_first else {}
-    for key, block in zip(stage.spec.blocks, stage.blocks()):
+    plan = {lay.embed: pcfg.embedding} if stage.is_first and lay.is_lm else {}
+    for key, block in zip(stage.spec.blocks, stage.block_modules()):
         plan.update({f"{lay.blocks}.{key}.{rule}": style for rule, style in block_plan(block, lay).items()})
-    if stage.is_last:
+    if stage.is_last and lay.is_lm:  # a non-LM model's pre and post modules run whole on every TP rank
         plan[lay.head] = "colwise" if pcfg.loss_parallel else "colwise_gather_output"
     return plan
 
@@ -232,8 +246,9 @@ def check_tp_plan(model: nn.Module, layout: ModelLayout, pcfg: ParallelConfig) -
             "fix the rule in the model layout's tp_plan"
         )
     for key, block in blocks:
-        report = verify(block, block_plan(block, layout))
-        _refuse_unmatched(report, f"block {layout.blocks}.{key} ({type(block).__name__})")
+        where = f"block {layout.blocks}.{key} ({type(block).__name__})"
+        report = verify(block, block_plan(block, layout, where))
+        _refuse_unmatched(report, where)
         if report.unplanned_params:
             raise ConfigError(
                 f"tensor-parallel plan of block {layout.blocks}.{key} ({type(block).__name__}): parameter "
@@ -243,7 +258,7 @@ def check_tp_plan(model: nn.Module, layout: ModelLayout, pcfg: ParallelConfig) -
         unsharded.update(report.unsharded_linears)
         for fqn, style in report.resolved.items():
             module, dim = block.get_submodule(fqn), _LINEAR_SHARDED_DIM.get(style)
-            size = module.weight.shape[dim] if isinstance(module, nn.Linear) and dim is not None else 0
+            size = module.weight.shape[dim] if isinstance(module, (nn.Linear, nn.Conv2d)) and dim is not None else 0
             if size % pcfg.tp:
                 raise ConfigError(
                     f"{layout.blocks}.{key}.{fqn}.weight dim {dim} = {size} is not divisible by "

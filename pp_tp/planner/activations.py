@@ -122,7 +122,7 @@ def stage_activation_bytes(
     recompute = 0
     if calls:  # backward runs the module's own forward again, saving what it saves without checkpointing
         module, args, kwargs = calls[0]
-        owner = next((b for b in stage.blocks() if any(m is module for m in b.modules())), None)
+        owner = next((b for b in stage.block_modules() if any(m is module for m in b.modules())), None)
         fsdp = owner if isinstance(owner, FSDPModule) else None
         checkpointed_forward, module.forward = module.forward, module.forward.__wrapped__
         try:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pp_tp._torch import FakeTensorMode
 from pp_tp.config import JobConfig, ParallelConfig, validate
 from pp_tp.config.fsdp_policy import FsdpPolicy
+from pp_tp.errors import ConfigError
 from pp_tp.layout import layout_for
 from pp_tp.mesh import MESH_DIMS, make_mesh, mesh_shape
 from pp_tp.models.factory import build_model
@@ -55,6 +56,12 @@ def plan_job(cfg: JobConfig, world_size: int) -> JobPlan:
     fixed = FsdpPolicy.of(pcfg, "default", "step")
     microbatch = cfg.training.batch_size // (pcfg.dp * pcfg.microbatches)
     shape = mesh_shape(pcfg, world_size)
+    layout = layout_for(build_model(cfg.model, "meta"))
+    if not layout.is_lm:
+        raise ConfigError(
+            f"pp-tp plan: model layout {layout.name!r} is not a language model, and the planner's estimates assume "
+            "token inputs; run it without the planner (pp-tp check still checks it)"
+        )
     with fake_world(world_size):
         mesh = make_mesh("cpu", pcfg, world_size)
         model = build_model(cfg.model, "meta")

@@ -103,7 +103,7 @@ def stage_cost(
     """Parallelizes `stage` on meta (the real passes, on the fake world's mesh) and measures it."""
     parallelize_stage(stage, mesh, pcfg, fsdp)
     local = sum(_local_numel(p) for p in stage.parameters())
-    blocks = [sum(tp_local_numel(p) for p in b.parameters()) for b in stage.blocks()]
+    blocks = [sum(tp_local_numel(p) for p in b.parameters()) for b in stage.block_modules()]
     tp_local = sum(tp_local_numel(p) for p in stage.parameters())
     with fake, warnings.catch_warnings():  # one mode for all stages: shared modules (rotary tables) stay in it
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # the output view is never modified

@@ -103,7 +103,7 @@ class StageCostCache:
                 stage = StageModule(model, self.layout, self._spec(kind))
                 parallelize_stage(stage, mesh, pcfg, FsdpPolicy.for_rank(pcfg, 0))
                 shapes = Counter(_shape(p) for p in stage.parameters())
-                blocks = [sum(tp_local_numel(p) for p in b.parameters()) for b in stage.blocks()]
+                blocks = [sum(tp_local_numel(p) for p in b.parameters()) for b in stage.block_modules()]
                 total = sum(tp_local_numel(p) for p in stage.parameters())
                 with fake:
                     (act1, re1), (act2, re2) = (

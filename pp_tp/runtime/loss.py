@@ -1,4 +1,5 @@
-"""Exact loss normalization: token-summed cross-entropy over the global count of non-ignored tokens.
+"""Exact loss normalization: token-summed cross-entropy over the global count of non-ignored tokens, or the
+caller's summed loss over its global normalizer (`SumLoss`).
 
 A mean per microbatch, averaged over microbatches and DP ranks, weights a token by how full its
 microbatch was: with uneven padding the loss and gradients drift from the single-process build
@@ -10,6 +11,7 @@ microbatch was: with uneven padding the loss and gradients drift from the single
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -18,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 
+from pp_tp.errors import ConfigError
 from pp_tp.tensor_utils import full_tensor
 
 IGNORE_INDEX = -100
@@ -55,6 +58,54 @@ class TokenSumLoss:
 def count_tokens(labels: torch.Tensor, dp_groups: list[dist.ProcessGroup]) -> int:
     """Non-ignored label tokens in the global batch (all microbatches, all DP ranks)."""
     n = (labels != IGNORE_INDEX).sum().to(torch.float64).reshape(1)
+    for g in dp_groups:
+        dist.all_reduce(n, group=g)
+    return int(n.item())
+
+
+# Losses by name (TOML `[training] loss`), each with reduction="sum": the pipeline divides by the global normalizer.
+LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "mse": lambda out, tgt: F.mse_loss(out.float(), tgt.float(), reduction="sum"),
+    "l1": lambda out, tgt: F.l1_loss(out.float(), tgt.float(), reduction="sum"),
+    "cross_entropy": lambda out, tgt: F.cross_entropy(out.float(), tgt, ignore_index=IGNORE_INDEX, reduction="sum"),
+}
+NORMALIZERS = ("elements", "samples")
+
+
+class SumLoss:
+    """The caller's loss for `Pipeline.step(inputs, targets)`: `fn(output, target)` must return the microbatch's
+    *sum* (reduction="sum"); the pipeline multiplies it by `scale` = grad_factor / the global normalizer, the count
+    over all microbatches and DP ranks of "elements" (target elements; for integer targets those not -100, as
+    cross_entropy's mean counts them) or "samples" (target rows). So loss and gradients are the plain model's
+    `fn(model(x), y) / count(y)` on the whole batch, however it is split."""
+
+    def __init__(self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | str, normalizer: str = "elements"):
+        if isinstance(fn, str) and fn not in LOSSES:
+            raise ConfigError(f"training.loss = {fn!r} is unknown; use one of {', '.join(LOSSES)} or pass a callable")
+        if normalizer not in NORMALIZERS:
+            raise ConfigError(f"loss normalizer {normalizer!r} is unknown; use one of {', '.join(NORMALIZERS)}")
+        self.fn = LOSSES[fn] if isinstance(fn, str) else fn
+        self.normalizer = normalizer
+        self.scale = 1.0
+
+    def parallel(self) -> contextlib.AbstractContextManager:
+        """Nothing to enter: the output reaches the loss whole."""
+        return contextlib.nullcontext()
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.fn(output, target) * self.scale
+
+
+def target_count(targets: torch.Tensor, normalizer: str) -> int:
+    """One batch's share of the normalizer: its samples, or its target elements (integer ones not -100)."""
+    if normalizer == "samples":
+        return targets.shape[0]
+    return int((targets != IGNORE_INDEX).sum()) if not targets.is_floating_point() else targets.numel()
+
+
+def count_targets(targets: torch.Tensor, normalizer: str, dp_groups: list[dist.ProcessGroup]) -> int:
+    """The normalizer over the global batch (all microbatches, all DP ranks)."""
+    n = torch.tensor([target_count(targets, normalizer)], dtype=torch.float64, device=targets.device)
     for g in dp_groups:
         dist.all_reduce(n, group=g)
     return int(n.item())

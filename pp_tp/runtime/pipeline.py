@@ -1,4 +1,5 @@
-"""The Pipeline runner: one `step(input_ids, labels)` on every rank, whatever stages the rank holds.
+"""The Pipeline runner: one `step(input_ids, labels)` (a language model) or `step(inputs, targets)` (any model with
+the caller's loss) on every rank, whatever stages the rank holds.
 
 Stage input/output shapes are given to torch's PipelineStage up front (static metadata), so no step
 pays for shape inference. A batch of another shape re-plans the stages locally (no communication);
@@ -26,43 +27,15 @@ from pp_tp.config.fsdp_policy import FsdpPolicy
 from pp_tp.errors import ConfigError
 from pp_tp.hf_checkpoint import save_pretrained
 from pp_tp.parallel.tensor_parallel import reduce_partial_grads
+from pp_tp.runtime.boundary import BoundaryShapes, InferredShapes
 from pp_tp.runtime.evaluate import forward_only, grad_state
 from pp_tp.runtime.grad_reduce import ReducingStage
-from pp_tp.runtime.loss import TokenSumLoss, count_tokens
+from pp_tp.runtime.loss import SumLoss, TokenSumLoss, count_targets, count_tokens
 from pp_tp.runtime.routing_stats import RoutingStats
 from pp_tp.schedules.registry import get_schedule_spec, is_csv_schedule
 from pp_tp.split.plan import StagePlan
 from pp_tp.stages.stage_module import StageModule
 from pp_tp.stages.tied import TiedWeights
-
-
-@dataclass(frozen=True)
-class BoundaryShapes:
-    """What flows between stages for one microbatch: ids in, hidden states between, logits out."""
-
-    microbatch: int
-    seq: int
-    dim: int
-    vocab_local: int
-    act_dtype: torch.dtype
-
-    def stage_io(self, stage: StageModule) -> tuple[torch.Tensor, torch.Tensor]:
-        mb, s = self.microbatch, self.seq
-        inp = (
-            torch.empty(mb, s, dtype=torch.long, device="meta")
-            if stage.is_first
-            else torch.empty(mb, s, self.dim, dtype=self.act_dtype, device="meta", requires_grad=True)
-        )
-        # requires_grad tells torch's static metadata that gradients flow back across the boundary.
-        out = torch.empty(
-            mb,
-            s,
-            self.vocab_local if stage.is_last else self.dim,
-            dtype=self.act_dtype,
-            device="meta",
-            requires_grad=True,
-        )
-        return inp, out
 
 
 def _gather_params_once(schedule: PipelineScheduleRuntime) -> None:
@@ -91,9 +64,10 @@ def _gather_params_once(schedule: PipelineScheduleRuntime) -> None:
 class BuiltStages:
     """Everything `build_pipeline` made for one rank, handed to `Pipeline` whole.
 
-    `fsdp`: this pp rank's FSDP policy; `shapes(microbatch, seq)`: the boundary tensors for a batch shape (checked
-    against the model); `grad_factor`: what FSDP divides gradients by, undone in the loss; `tied`: tied weights held
-    by several stages; `hf_config` and `source_dir`: config.json and the directory whose generation_config.json
+    `fsdp`: this pp rank's FSDP policy; `shapes(microbatch shape, dtype)`: the boundary tensors for a microbatch of
+    inputs (checked against the model); `loss`: the caller's summed loss (None: token cross-entropy);
+    `grad_factor`: what FSDP divides gradients by, undone in the loss; `tied`: tied weights held by several
+    stages; `hf_config` and `source_dir`: config.json and the directory whose generation_config.json
     `save_pretrained` writes; `checkpoint_casts`: dtype conversions made while loading an HF checkpoint (for the
     log)."""
 
@@ -103,8 +77,9 @@ class BuiltStages:
     pcfg: ParallelConfig
     fsdp: FsdpPolicy
     device: torch.device
-    shapes: Callable[[int, int], BoundaryShapes]
+    shapes: Callable[[tuple[int, ...], torch.dtype], BoundaryShapes | InferredShapes]
     grad_factor: int
+    loss: SumLoss | None = None
     tp_loss_mesh: DeviceMesh | None = None
     tied: TiedWeights | None = None
     hf_config: Any = None
@@ -131,18 +106,19 @@ class Pipeline:
         self._shapes_fn = built.shapes
         self._grad_factor = built.grad_factor
         self._tied = built.tied
-        self._loss = TokenSumLoss(built.tp_loss_mesh)
+        self._targets = built.loss is not None  # step(inputs, targets) with the caller's loss
+        self._loss = built.loss if built.loss is not None else TokenSumLoss(built.tp_loss_mesh)
         self._pp_group = built.mesh.get_group("pp")
         self._dp_groups = [built.mesh.get_group(d) for d in ("dp_replicate", "dp_shard") if built.mesh[d].size() > 1]
-        self._shape_key: tuple[int, int] | None = None
+        self._shape_key: tuple | None = None
         self.schedule = None
         self._routing = RoutingStats(built.stages, built.stages[0].layout, built.mesh) if built.stages else None
         # After each step: {"tokens_per_expert": {MoE layer FQN: int64 [E]}} over the step and all DP ranks, for
         # the MoE layers this rank holds (empty without any).
         self.moe_stats: dict[str, Any] = {}
 
-    def _build_schedule(self, microbatch: int, seq: int) -> None:
-        shapes = self._shapes_fn(microbatch, seq)
+    def _build_schedule(self, microbatch: tuple[int, ...], dtype: torch.dtype) -> None:
+        shapes = self._shapes_fn(microbatch, dtype)
         num_stages = self.pcfg.num_stages
         pstages = []
         m = self.pcfg.microbatches
@@ -173,29 +149,45 @@ class Pipeline:
         if isinstance(schedule, PipelineScheduleRuntime) and self._fsdp.keeps_params_gathered:
             _gather_params_once(schedule)
         self.schedule = schedule
-        self._shape_key = (microbatch, seq)
+        self._shape_key = (microbatch, dtype)
+
+    def _check_batch(self, where: str, inputs: torch.Tensor, targets: torch.Tensor | None) -> None:
+        if not self._targets:
+            if targets is None or inputs.shape != targets.shape or inputs.dim() != 2:
+                got = None if targets is None else tuple(targets.shape)
+                raise ConfigError(
+                    f"{where}: input_ids {tuple(inputs.shape)} and labels {got} must both be [batch, seq]"
+                )
+        elif targets is None and self.has_last_stage:
+            raise ConfigError(f"{where}: this rank holds the last stage, so it needs the targets; pass them")
+        elif targets is not None and targets.shape[:1] != inputs.shape[:1]:
+            raise ConfigError(
+                f"{where}: inputs {tuple(inputs.shape)} and targets {tuple(targets.shape)} differ in batch size; "
+                "give one target per sample"
+            )
 
     def prepare_batch(
-        self, where: str, input_ids: torch.Tensor, labels: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Checks this DP rank's batch, (re)plans the stages for its shape, moves it to the device and counts
-        the global non-ignored tokens; shared by `step` and `evaluate`."""
-        if input_ids.shape != labels.shape or input_ids.dim() != 2:
-            raise ConfigError(
-                f"{where}: input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} "
-                "must both be [batch, seq]"
-            )
-        batch, seq = input_ids.shape
-        m = self.pcfg.microbatches
+        self, where: str, inputs: torch.Tensor, targets: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """Checks this DP rank's batch, (re)plans the stages for its microbatch shape, moves it to the device and
+        counts the loss's global normalizer (non-ignored tokens, or the caller's loss's count, on the ranks holding
+        the last stage: only they need it); shared by `step` and `evaluate`."""
+        self._check_batch(where, inputs, targets)
+        batch, m = inputs.shape[0], self.pcfg.microbatches
         if batch % m:
             raise ConfigError(
                 f"{where}: local batch {batch} is not divisible by parallel.microbatches = {m}; "
                 f"use a batch that is a multiple of {m}"
             )
-        if self._shape_key != (batch // m, seq):
-            self._build_schedule(batch // m, seq)
-        input_ids, labels = input_ids.to(self.device), labels.to(self.device)
-        return input_ids, labels, count_tokens(labels, self._dp_groups)
+        key = ((batch // m, *inputs.shape[1:]), inputs.dtype)
+        if self._shape_key != key:
+            self._build_schedule(*key)
+        inputs = inputs.to(self.device)
+        targets = targets.to(self.device) if targets is not None else None
+        if not self._targets:
+            return inputs, targets, count_tokens(targets, self._dp_groups)
+        n = count_targets(targets, self._loss.normalizer, self._dp_groups) if self.has_last_stage else 1
+        return inputs, targets, n
 
     def global_loss(self, losses: list[torch.Tensor], divide: float = 1.0) -> torch.Tensor:
         """The sum of the last stage's microbatch losses (over `divide`), summed over pp and DP: every rank gets
@@ -207,13 +199,15 @@ class Pipeline:
             dist.all_reduce(total, group=g)
         return total[0].float()
 
-    def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """One forward/backward over this DP rank's batch; returns the global mean token loss on every rank."""
-        input_ids, labels, n_tokens = self.prepare_batch("Pipeline.step", input_ids, labels)
-        self._loss.scale = self._grad_factor / max(n_tokens, 1)
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """One forward/backward over this DP rank's batch; returns the global loss on every rank: the mean token loss
+        (`inputs` = input_ids, `targets` = labels), or with the caller's loss its sum over the global normalizer
+        (targets needed only where the last stage is)."""
+        inputs, targets, n = self.prepare_batch("Pipeline.step", inputs, targets)
+        self._loss.scale = self._grad_factor / max(n, 1)
         losses: list[torch.Tensor] = []
-        args = (input_ids,) if self.has_first_stage else ()
-        target = labels if self.has_last_stage else None
+        args = (inputs,) if self.has_first_stage else ()
+        target = targets if self.has_last_stage else None
         with contextlib.ExitStack() as ctx:
             ctx.enter_context(self._loss.parallel())  # torch wants the vocab-parallel loss's backward inside it too
             for stage in self.model_parts:  # masks and rotary tables once per step, not once per microbatch
@@ -233,15 +227,15 @@ class Pipeline:
         save_pretrained(self.model_parts, self.mesh, path, self.hf_config, self.source_dir, max_shard_size, dtype)
 
     @torch.no_grad()
-    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Forward-only global mean token loss of this DP rank's batch share (validation); every rank calls it, and
-        no gradient is created or changed (checked)."""
-        input_ids, labels, n_tokens = self.prepare_batch("Pipeline.evaluate", input_ids, labels)
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward-only global loss of this DP rank's batch share (validation), as `step` defines it; every rank
+        calls it, and no gradient is created or changed (checked)."""
+        inputs, labels, n_tokens = self.prepare_batch("Pipeline.evaluate", inputs, targets)
         before = grad_state(self.model_parts)
         scale = self._loss.scale
         self._loss.scale = 1.0 / max(n_tokens, 1)  # nothing flows back, so no FSDP mean to undo
         losses: list[torch.Tensor] = []
-        args = (input_ids,) if self.has_first_stage else ()
+        args = (inputs,) if self.has_first_stage else ()
         # torch re-initializes the stages when a schedule switches between train and eval, and that cleanup
         # sets every FSDP parameter's grad to None (stage._post_metadata_inference_cleanup): put them back.
         grads = [(p, p.grad) for part in self.model_parts for p in part.parameters()]

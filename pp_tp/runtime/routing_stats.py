@@ -28,7 +28,7 @@ class RoutingStats:
         device = rank_device(mesh)
         self._groups = [mesh.get_group(d) for d in ("dp_replicate", "dp_shard") if mesh[d].size() > 1]
         for stage in stages:
-            for key, block in zip(stage.spec.blocks, stage.blocks()):
+            for key, block in zip(stage.spec.blocks, stage.block_modules()):
                 for name, experts in experts_modules(block, layout):
                     layer = f"{layout.blocks}.{key}.{name.rpartition('.')[0]}".rstrip(".")
                     self.counts[layer] = torch.zeros(n_experts_of(experts), dtype=torch.int64, device=device)

@@ -133,7 +133,8 @@ def _layer_counts(pcfg: ParallelConfig, d: ModelDims, seq_len: int) -> list[int]
 
 def _explicit(pcfg: ParallelConfig, layout: ModelLayout, keys: list[str]) -> list[tuple[bool, list[str], bool]]:
     """Checks an explicit FQN list per stage: known names, in model order, each exactly once."""
-    order = [layout.embed] + [f"{layout.blocks}.{k}" for k in keys] + [layout.norm, layout.head]
+    first, last = list(layout.first_fqns), list(layout.last_fqns)
+    order = first + [f"{layout.blocks}.{k}" for k in keys] + last
     lists = pcfg.stage_fqns  # one non-empty list per stage (config.validate)
     flat = [f for stage in lists for f in stage]
     unknown = [f for f in flat if f not in order]
@@ -146,10 +147,10 @@ def _explicit(pcfg: ParallelConfig, layout: ModelLayout, keys: list[str]) -> lis
         missing = [f for f in order if f not in flat]
         what = f"misses {missing[0]!r}" if missing else "repeats a module or breaks model order"
         raise ConfigError(f"parallel.stage_fqns {what}; list every module once, in model order")
-    if lists[-1][-2:] != [layout.norm, layout.head]:
-        raise ConfigError(f"parallel.stage_fqns: {layout.norm!r} and {layout.head!r} must close the last stage")
+    if lists[0][: len(first)] != first or lists[-1][-len(last) :] != last:
+        raise ConfigError(f"parallel.stage_fqns: {first} must open the first stage and {last} close the last one")
     prefix = f"{layout.blocks}."
-    return [(layout.embed in s, [f[len(prefix) :] for f in s if f.startswith(prefix)], layout.head in s) for s in lists]
+    return [(first[0] in s, [f[len(prefix) :] for f in s if f.startswith(prefix)], last[-1] in s) for s in lists]
 
 
 def plan_stages(model: nn.Module, layout: ModelLayout, pcfg: ParallelConfig, seq_len: int | None = None) -> StagePlan:
@@ -169,8 +170,8 @@ def plan_stages(model: nn.Module, layout: ModelLayout, pcfg: ParallelConfig, seq
     owners = stage_owner(pcfg.pp, pcfg.stages_per_rank, pcfg.schedule)
     stages = []
     for i, (embed, blocks, head) in enumerate(parts):
-        fqns = ([layout.embed] if embed else []) + [f"{layout.blocks}.{b}" for b in blocks]
-        fqns += [layout.norm, layout.head] if head else []
+        fqns = (list(layout.first_fqns) if embed else []) + [f"{layout.blocks}.{b}" for b in blocks]
+        fqns += list(layout.last_fqns) if head else []
         flops = (cost.embed_flops(d) if embed else 0.0) + len(blocks) * cost.block_flops(d, seq_len)
         flops += cost.head_flops(d) if head else 0.0
         seen: set[int] = set()

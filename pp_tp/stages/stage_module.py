@@ -3,7 +3,8 @@
 It holds the original submodules at their original paths (``layers.7`` stays ``layers.7``), so state
 dicts, checkpoints and optimizers see the full model's FQNs. Its own forward runs embed (first stage)
 -> its blocks -> norm and head (last stage) through the model layout, so the model's forward is never
-asked to skip missing modules. Between stages only one plain tensor ``[microbatch, seq, hidden]`` flows.
+asked to skip missing modules. Between stages only one plain tensor flows (``[microbatch, seq, hidden]`` for a
+language model, any shape for others).
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ def _attach(root: nn.Module, model: nn.Module, fqn: str) -> None:
     for part in parents:
         src = src.get_submodule(part)
         if part not in child_modules(node):
-            container = nn.ModuleDict() if isinstance(src, (nn.ModuleList, nn.ModuleDict)) else nn.Module()
+            container = (
+                nn.ModuleDict() if isinstance(src, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) else nn.Module()
+            )
             node.add_module(part, container)
         node = child_modules(node)[part]
     if leaf in child_modules(src):
@@ -53,6 +56,15 @@ def canonical_names(model: nn.Module) -> dict[str, str]:
     for name, p in model.named_parameters(remove_duplicate=False):
         names[name] = first.setdefault(id(p), name)
     return names
+
+
+# Attributes every StageModule sets on itself: a model module of the same top-level name cannot be attached.
+_OWN_ATTRS = ("layout", "spec", "checkpoint_keys")
+
+
+def reserved_name(name: str) -> bool:
+    """A top-level module name a stage cannot hold under the model's own name (it is a StageModule attribute)."""
+    return name in _OWN_ATTRS or hasattr(StageModule, name)
 
 
 class StageModule(nn.Module):
@@ -79,7 +91,7 @@ class StageModule(nn.Module):
     def is_last(self) -> bool:
         return self.spec.head
 
-    def blocks(self) -> list[nn.Module]:
+    def block_modules(self) -> list[nn.Module]:
         if not self.spec.blocks:
             return []
         container = self.get_submodule(self.layout.blocks)
@@ -110,20 +122,22 @@ class StageModule(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lay = self.layout
+        h = x
         if self.is_first:
-            h = self.get_submodule(lay.embed)(x)
+            for fqn in lay.first_fqns:
+                h = self.get_submodule(fqn)(h)
             h = lay.after_embed(h) if lay.after_embed is not None else h
-        else:
-            h = x
         if self.spec.blocks:
             extras = self._block_inputs(h)
-            for block in self.blocks():
+            for block in self.block_modules():
                 h = lay.call_block(block, h, extras)
         if self.is_last:
-            h = self.get_submodule(lay.head)(self.get_submodule(lay.norm)(h))
+            for fqn in lay.last_fqns:
+                h = self.get_submodule(fqn)(h)
             h = lay.after_head(h) if lay.after_head is not None else h
         if isinstance(h, AsyncCollectiveTensor):  # a TP all-reduce/all-gather still in flight: finish it here
             h = wait_tensor(h)
+        h = h.contiguous()  # p2p sends need it; a permuted field (channel norms, [B, C, H, W]) may not be
         if is_traceable_wrapper_subclass(h):  # DTensor & co.; a FakeTensor (planner dry run) is plain
             raise TypeError(
                 f"stage {self.spec.index} outputs a {type(h).__name__}; stage boundaries carry plain "

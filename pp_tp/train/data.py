@@ -22,6 +22,7 @@ import torch
 
 from pp_tp.config import JobConfig
 from pp_tp.errors import ConfigError
+from pp_tp.train.fields import SyntheticFields
 from pp_tp.train.text_tokens import train_windows
 
 VOCAB = 256  # byte-level tokens
@@ -109,11 +110,12 @@ def corpus_text(seed: int, n_bytes: int) -> str:
 
 
 class Source(Protocol):
-    """Samples of `seq_len + 1` tokens by index; `num_samples` None means endless (no epochs, no shuffle)."""
+    """Samples of `seq_len + 1` tokens (or (input, target) pairs: train/fields.py) by index; `num_samples` None
+    means endless (no epochs, no shuffle)."""
 
     num_samples: int | None
 
-    def sample(self, index: int) -> torch.Tensor: ...
+    def sample(self, index: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class TextSource:
@@ -153,6 +155,8 @@ class SyntheticSource:
 
 def make_source(cfg: JobConfig) -> Source:
     """The job's data source; checks run here, before any process group exists."""
+    if cfg.data.source == "fields":
+        return SyntheticFields(cfg.training.seed, cfg.model.channels, cfg.model.image_size)
     if cfg.model.vocab_size < VOCAB and not cfg.data.tokenizer:
         raise ConfigError(
             f"model.vocab_size = {cfg.model.vocab_size}: data.source = {cfg.data.source!r} uses byte "
@@ -194,10 +198,14 @@ class ShardedBatches:
         return int(self._order[1][g % n])
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(input_ids, labels), each [local_batch, seq_len]; labels are the next tokens."""
+        """(input_ids, labels), each [local_batch, seq_len]; labels are the next tokens. A source of (input, target)
+        pairs gives them stacked."""
         start = self.position + self.offset
-        rows = torch.stack([self.source.sample(self._index(g)) for g in range(start, start + self.local)])
+        samples = [self.source.sample(self._index(g)) for g in range(start, start + self.local)]
         self.position += self.global_batch
+        if isinstance(samples[0], tuple):
+            return torch.stack([x for x, _ in samples]), torch.stack([y for _, y in samples])
+        rows = torch.stack(samples)
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
     def state_dict(self) -> dict[str, int]:
