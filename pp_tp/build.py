@@ -49,9 +49,9 @@ def build_pipeline(
 
     def local_build() -> tuple[ParallelConfig, FsdpPolicy, Preflight, list[StageModule]]:
         """Every check and this rank's stages, with no communication; ranks agree on the outcome below."""
-        resolved = resolve_parallel(pcfg, dist.get_world_size())
+        checked = preflight(model, resolve_parallel(pcfg, dist.get_world_size()), mesh.device_type, seq_len)
+        resolved = checked.parallel
         fsdp = FsdpPolicy.for_rank(resolved, pp_rank)
-        checked = preflight(model, resolved, mesh.device_type, seq_len)
         source = open_checked(checkpoint, model) if checkpoint else None
         stages = build_local_stages(
             model, checked.layout, checked.plan, pp_rank, mesh, resolved, fsdp, device, seed, state_dict, source, casts

@@ -7,6 +7,7 @@ refusals a job can meet before it starts.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from torch import nn
@@ -21,11 +22,13 @@ from pp_tp.split.plan import StagePlan, plan_stages
 
 @dataclass(frozen=True)
 class Preflight:
-    """What the checks found out on the way: the model's layout, its dims and the stage plan."""
+    """What the checks found out on the way: the model's layout, its dims, the stage plan and the parallel config
+    with its model-dependent defaults resolved (`parallel.embedding`)."""
 
     layout: ModelLayout
     dims: ModelDims
     plan: StagePlan
+    parallel: ParallelConfig
 
 
 def check_model_shape(pcfg: ParallelConfig, d: ModelDims) -> None:
@@ -56,27 +59,37 @@ def check_seq_len(seq_len: int, d: ModelDims, key: str = "training.seq_len") -> 
         )
 
 
+def resolve_embedding(pcfg: ParallelConfig, d: ModelDims) -> ParallelConfig:
+    """`parallel.embedding = "auto"` made concrete: vocab-parallel when the model ties its embeddings and tp > 1
+    (the one sharding a tied weight can share with the column-parallel head), replicated otherwise."""
+    if pcfg.embedding != "auto":
+        return pcfg
+    return dataclasses.replace(pcfg, embedding="vocab_parallel" if d.tied and pcfg.tp > 1 else "replicate")
+
+
 def check_tied(pcfg: ParallelConfig, d: ModelDims) -> None:
     """Tied embeddings under TP: the embedding and the column-parallel head must share one (vocabulary) sharding."""
     if d.tied and pcfg.tp > 1 and pcfg.embedding != "vocab_parallel":
         raise ConfigError(
             f"parallel.embedding = {pcfg.embedding!r}: the model ties its input and output embeddings, and with "
-            'parallel.tp > 1 the head is sharded on the vocabulary; set parallel.embedding = "vocab_parallel" so '
-            "both copies share one sharding"
+            'parallel.tp > 1 the head is sharded on the vocabulary; set parallel.embedding = "vocab_parallel" (or '
+            'leave it "auto") so both copies share one sharding'
         )
 
 
 def preflight(model: nn.Module, pcfg: ParallelConfig, device_type: str, seq_len: int | None = None) -> Preflight:
-    """All model-dependent refusals for `model` under a resolved `pcfg`, in one order; no communication."""
+    """All model-dependent refusals for `model` under a resolved `pcfg`, in one order; no communication.
+    Callers build with the returned `parallel`, whose model-dependent defaults are resolved."""
     layout = layout_for(model)
     d = layout.dims(model)
+    pcfg = resolve_embedding(pcfg, d)
     check_model_shape(pcfg, d)
     if seq_len is not None:
         check_seq_len(seq_len, d)
     check_tied(pcfg, d)
     check_tp_plan(model, layout, pcfg)
     check_float8(pcfg, device_type)
-    return Preflight(layout, d, plan_stages(model, layout, pcfg, seq_len))
+    return Preflight(layout, d, plan_stages(model, layout, pcfg, seq_len), pcfg)
 
 
 def _check_divisible(key: str, value: int, by_key: str, by: int) -> None:

@@ -22,6 +22,7 @@ def check_job(cfg: JobConfig, world_size: int | None = None, data: bool = True) 
     `data`: also open the training data source (`pp-tp parity` feeds its own random batches)."""
     cfg = validate(dataclasses.replace(cfg, model=resolve_model_config(cfg.model)), world_size)
     checked = preflight(build_model(cfg.model, "meta"), cfg.parallel, device_type(), cfg.training.seq_len)
+    cfg = dataclasses.replace(cfg, parallel=checked.parallel)
     if data:
         make_source(cfg)  # the data source opens and fits the model
     return cfg, checked
