@@ -48,6 +48,9 @@ class ModelLayout:
     ``attention``: block-relative name of the attention module (selective activation checkpointing).
     ``after_embed(h)`` / ``after_head(logits)``: what the model's own forward does outside its modules right
     after the embedding and after the head (embedding multipliers, logit scaling or softcapping).
+    ``after_embed_modules`` / ``before_norm_modules``: parameterless modules (dropout, identity) the model runs
+    on the hidden state right after the embedding / right before the final norm; the first / last stage holds
+    and runs them, with the modules around them.
     ``tp_refusal``: why this model cannot run with parallel.tp > 1 (raised in one line), or None.
     ``specialize(model)``: for a layout that matches a whole family (e.g. every Hugging Face decoder LM), the
     layout of this one model; it may refuse the model in one line.
@@ -73,6 +76,8 @@ class ModelLayout:
     specialize: Callable[[nn.Module], ModelLayout] | None = None
     tp_refusal: str | None = None
     static_block_inputs: bool = False
+    after_embed_modules: tuple[str, ...] = ()
+    before_norm_modules: tuple[str, ...] = ()
 
     def block_keys(self, model: nn.Module) -> list[str]:
         """The blocks' names inside the blocks container, in execution order."""

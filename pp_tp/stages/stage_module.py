@@ -62,7 +62,8 @@ class StageModule(nn.Module):
         super().__init__()
         self.layout = layout
         self.spec = spec
-        for fqn in spec.fqns + list(layout.shared):
+        edges = (layout.after_embed_modules if spec.embed else ()) + (layout.before_norm_modules if spec.head else ())
+        for fqn in spec.fqns + list(edges) + list(layout.shared):
             _attach(self, model, fqn)
         aliases = canonical_names(model) if aliases is None else aliases
         # Each local parameter name -> the model's canonical key for its value (seeded init, checkpoints).
@@ -113,6 +114,8 @@ class StageModule(nn.Module):
         if self.is_first:
             h = self.get_submodule(lay.embed)(x)
             h = lay.after_embed(h) if lay.after_embed is not None else h
+            for name in lay.after_embed_modules:
+                h = self.get_submodule(name)(h)
         else:
             h = x
         if self.spec.blocks:
@@ -120,6 +123,8 @@ class StageModule(nn.Module):
             for block in self.blocks():
                 h = lay.call_block(block, h, extras)
         if self.is_last:
+            for name in lay.before_norm_modules:
+                h = self.get_submodule(name)(h)
             h = self.get_submodule(lay.head)(self.get_submodule(lay.norm)(h))
             h = lay.after_head(h) if lay.after_head is not None else h
         if isinstance(h, AsyncCollectiveTensor):  # a TP all-reduce/all-gather still in flight: finish it here

@@ -40,16 +40,42 @@ def _refuse(model: nn.Module, why: str) -> ConfigError:
     return ConfigError(f"model {type(model).__name__}: {why}")
 
 
-def _pp_plan(model: nn.Module) -> tuple[str, str, str]:
-    """(embedding, blocks, norm) names inside the base model, from its declared base_model_pp_plan."""
+@dataclasses.dataclass(frozen=True)
+class _PpPlan:
+    """The base model's declared pipeline plan: embedding, blocks and norm, and the parameterless modules
+    (dropout, identity) between them."""
+
+    embed: str
+    after_embed: tuple[str, ...]
+    blocks: str
+    before_norm: tuple[str, ...]
+    norm: str
+
+
+def _pp_plan(model: nn.Module, base: nn.Module) -> _PpPlan:
+    """The declared base_model_pp_plan: embedding -> parameterless modules -> layers -> parameterless modules ->
+    norm; anything else is refused."""
     plan = getattr(model.config, "base_model_pp_plan", None)
     if not plan:
         raise _refuse(model, "declares no base_model_pp_plan; register a layout for it (pp_tp.extend.register_layout)")
     names = list(plan)
-    firsts = [inputs[0] if inputs else None for inputs, _ in plan.values()]
-    if len(names) != 3 or firsts[0] != "input_ids" or firsts[1] != "hidden_states":
-        raise _refuse(model, f"base_model_pp_plan {plan} is not embedding -> layers -> norm; register a layout for it")
-    return names[0], names[1], names[2]
+    weighted = [n for n in names if any(True for _ in base.get_submodule(n).parameters())]
+    firsts = {n: inputs[0] if inputs else None for n, (inputs, _) in plan.items()}
+    if (
+        len(weighted) != 3
+        or weighted[0] != names[0]
+        or weighted[2] != names[-1]
+        or firsts[weighted[0]] != "input_ids"
+        or firsts[weighted[1]] != "hidden_states"
+    ):
+        raise _refuse(
+            model,
+            f"base_model_pp_plan {plan} is not embedding -> layers -> norm (with only parameterless modules between "
+            "them); register a layout for it",
+        )
+    embed, blocks, norm = weighted
+    at = names.index(blocks)
+    return _PpPlan(embed, tuple(names[1:at]), blocks, tuple(names[at + 1 : -1]), norm)
 
 
 def _module_name(model: nn.Module, module: nn.Module | None, what: str) -> str:
@@ -163,13 +189,14 @@ def compose(model: nn.Module) -> ModelLayout:
             "output_router_logits = true adds the router's auxiliary loss outside the logits; "
             "set it to false in the model config",
         )
-    embed_key, blocks_key, norm_key = _pp_plan(model)
     prefix = model.base_model_prefix
     base = model.get_submodule(prefix)
+    pp_plan = _pp_plan(model, base)
+    embed_key, blocks_key, norm_key = pp_plan.embed, pp_plan.blocks, pp_plan.norm
     if base.get_submodule(embed_key) is not model.get_input_embeddings():
         raise _refuse(model, f"{prefix}.{embed_key} is not get_input_embeddings(); register a layout for it")
     head = _module_name(model, model.get_output_embeddings(), "output embedding")
-    plan = {embed_key, blocks_key, norm_key}
+    plan = {embed_key, blocks_key, norm_key, *pp_plan.after_embed, *pp_plan.before_norm}
     extra = [name for name, child in base.named_children() if name not in plan]
     weighted = [name for name in extra if any(True for _ in base.get_submodule(name).parameters())]
     if weighted:
@@ -200,6 +227,8 @@ def compose(model: nn.Module) -> ModelLayout:
         after_embed=after_embed(model.config),
         after_head=after_head(model.config),
         static_block_inputs=True,  # masks and rotary tables from the microbatch's shape only (no padding mask)
+        after_embed_modules=tuple(f"{prefix}.{name}" for name in pp_plan.after_embed),
+        before_norm_modules=tuple(f"{prefix}.{name}" for name in pp_plan.before_norm),
     )
 
 
