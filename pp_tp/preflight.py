@@ -16,7 +16,8 @@ from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
 from pp_tp.layout import ModelDims, ModelLayout, layout_for
 from pp_tp.parallel.float8 import check_float8
-from pp_tp.parallel.tensor_parallel import check_tp_plan
+from pp_tp.parallel.rng import CLOSES, DEVICES, NEUTRAL, OPENS, active_dropout
+from pp_tp.parallel.tensor_parallel import block_plan, check_tp_plan
 from pp_tp.split.plan import StagePlan, plan_stages
 
 
@@ -77,6 +78,37 @@ def check_tied(pcfg: ParallelConfig, d: ModelDims) -> None:
         )
 
 
+def check_dropout(model: nn.Module, layout: ModelLayout, pcfg: ParallelConfig, device_type: str) -> None:
+    """Dropout whose masks the RNG discipline (pp_tp/parallel/rng.py) cannot place is refused: on a device whose
+    generator pp_tp does not swap, inside compiled blocks under TP, or next to a TP style not known to hand on a
+    sharded or a replicated activation."""
+    rates = active_dropout(model)
+    if not rates:
+        return
+    off = f"or set the dropout ({rates[0]}) to 0"
+    if device_type not in DEVICES:
+        raise ConfigError(
+            f"dropout ({rates[0]}) on a {device_type!r} device: pp_tp keeps per-stage dropout streams on "
+            f"{' and '.join(DEVICES)} generators only; run on one of them {off}"
+        )
+    if pcfg.tp == 1:
+        return
+    if pcfg.compile:
+        raise ConfigError(
+            f"parallel.compile = true with dropout ({rates[0]}) and parallel.tp = {pcfg.tp}: the TP-rank dropout "
+            f"streams switch generator states inside the blocks, which compiled blocks do not see; set "
+            f"parallel.compile = false {off}"
+        )
+    for key, block in model.get_submodule(layout.blocks).named_children():
+        for rule, style in block_plan(block, layout).items():
+            if style not in OPENS | CLOSES | NEUTRAL:
+                raise ConfigError(
+                    f"dropout ({rates[0]}) with parallel.tp = {pcfg.tp}: TP style {style!r} of "
+                    f"{layout.blocks}.{key}.{rule} is not known to hand on a sharded or a replicated activation, so "
+                    f"pp_tp cannot tell which dropout masks must differ per TP rank; set parallel.tp = 1 {off}"
+                )
+
+
 def preflight(model: nn.Module, pcfg: ParallelConfig, device_type: str, seq_len: int | None = None) -> Preflight:
     """All model-dependent refusals for `model` under a resolved `pcfg`, in one order; no communication.
     Callers build with the returned `parallel`, whose model-dependent defaults are resolved."""
@@ -88,6 +120,7 @@ def preflight(model: nn.Module, pcfg: ParallelConfig, device_type: str, seq_len:
         check_seq_len(seq_len, d)
     check_tied(pcfg, d)
     check_tp_plan(model, layout, pcfg)
+    check_dropout(model, layout, pcfg, device_type)
     check_float8(pcfg, device_type)
     return Preflight(layout, d, plan_stages(model, layout, pcfg, seq_len), pcfg)
 

@@ -33,6 +33,7 @@ from torch.distributed.tensor.parallel import (
 from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
 from pp_tp.layout import ModelLayout
+from pp_tp.parallel.rng import active_dropout, install_sharded_regions
 
 if TYPE_CHECKING:  # annotations only: parallel/ is applied to stage modules, it does not build them
     from pp_tp.stages.stage_module import StageModule
@@ -250,6 +251,8 @@ def apply_tp(stage: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig) -> bool:
     # src_data_rank=None: shard locally; values are filled after materialization (tensor_utils.copy_full_).
     parallelize_module(stage, mesh["tp"], styles, src_data_rank=None)
     _retie(stage)
+    if active_dropout(stage):  # TP-sharded activations draw their dropout masks per TP rank (parallel/rng.py)
+        install_sharded_regions(stage, report.resolved, mesh.device_type, mesh["tp"].get_local_rank())
     return True
 
 

@@ -130,6 +130,7 @@ class Trainer:
         self.pipe = pp_tp.build_pipeline(
             model, self.mesh, self.cfg.parallel, seed=self.cfg.model.seed, seq_len=t.seq_len, checkpoint=hf_dir,
             source_dir=self.cfg.model.hf_path or None,  # save_pretrained keeps its generation_config.json
+            rng_seed=t.seed,  # dropout streams per (stage, dp rank), per TP rank in sharded regions
         )  # fmt: skip
         self.loader = ShardedBatches(self.source, t.batch_size, dp_rank(self.mesh), dp_size(self.mesh), seed=t.seed)
         self.optimizers, self.schedulers = build_optimizers(self.pipe.model_parts, t)

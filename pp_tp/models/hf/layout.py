@@ -59,21 +59,20 @@ def _pp_plan(model: nn.Module, base: nn.Module) -> _PpPlan:
     if not plan:
         raise _refuse(model, "declares no base_model_pp_plan; register a layout for it (pp_tp.extend.register_layout)")
     names = list(plan)
-    weighted = [n for n in names if any(True for _ in base.get_submodule(n).parameters())]
     firsts = {n: inputs[0] if inputs else None for n, (inputs, _) in plan.items()}
+    weighted = [n for n in names[1:-1] if any(True for _ in base.get_submodule(n).parameters())]
     if (
-        len(weighted) != 3
-        or weighted[0] != names[0]
-        or weighted[2] != names[-1]
-        or firsts[weighted[0]] != "input_ids"
-        or firsts[weighted[1]] != "hidden_states"
+        len(names) < 3
+        or firsts[names[0]] != "input_ids"
+        or len(weighted) != 1
+        or firsts[weighted[0]] != "hidden_states"
     ):
         raise _refuse(
             model,
             f"base_model_pp_plan {plan} is not embedding -> layers -> norm (with only parameterless modules between "
             "them); register a layout for it",
         )
-    embed, blocks, norm = weighted
+    embed, blocks, norm = names[0], weighted[0], names[-1]
     at = names.index(blocks)
     return _PpPlan(embed, tuple(names[1:at]), blocks, tuple(names[at + 1 : -1]), norm)
 
@@ -173,6 +172,20 @@ def _no_cache(mask_fn: Any) -> dict[str, None]:
     return {"cache": None} if "cache" in _params(mask_fn) else {"past_key_values": None}
 
 
+def _kernel_dropout(model: nn.Module) -> str | None:
+    """Attention dropout inside a kernel other than eager or SDPA (which draw from torch's default generator, whose
+    state pp_tp forks per TP rank): pp_tp cannot tell where its masks come from, so it refuses it on sharded heads."""
+    impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    rate = getattr(model.config, "attention_dropout", 0.0) or 0.0
+    if impl in ("eager", "sdpa") or not rate:
+        return None
+    return (
+        f"model {type(model).__name__}: attention_dropout = {rate} inside the {impl!r} attention kernel on TP-sharded "
+        "heads, whose masks pp_tp cannot place per TP rank; set parallel.tp = 1, attention_dropout = 0 or "
+        'attn_implementation = "sdpa"'
+    )
+
+
 def specialize(model: nn.Module) -> ModelLayout:
     """This model's layout, proven equal to its own forward on a small copy (self_check); refused in one
     line where it cannot be."""
@@ -210,6 +223,7 @@ def compose(model: nn.Module) -> ModelLayout:
     ctx = BlockContext(model, rotary, types, block_kwargs)
     attention = next((n for n, m in blocks[0].named_children() if "Attention" in type(m).__name__), "self_attn")
     tp_plan, tp_refusal = block_tp_plan(model, blocks_key)
+    tp_refusal = tp_refusal or _kernel_dropout(model)
     return dataclasses.replace(
         HF,
         specialize=None,
