@@ -14,9 +14,8 @@ from pp_tp.config import ParallelConfig, resolve_parallel
 from pp_tp.config.fsdp_policy import FsdpPolicy
 from pp_tp.hf_checkpoint import open_checked
 from pp_tp.materialize import build_local_stages
-from pp_tp.mesh import dp_rank, rank_device
+from pp_tp.mesh import rank_device
 from pp_tp.parallel.fsdp import grad_factor
-from pp_tp.parallel.rng import StageStream
 from pp_tp.preflight import Preflight, check_seq_len, preflight
 from pp_tp.runtime.pipeline import BoundaryShapes, BuiltStages, Pipeline
 from pp_tp.stages.stage_module import StageModule
@@ -38,14 +37,12 @@ def build_pipeline(
 ) -> Pipeline:
     """This rank's share of `model` as pipeline stages with TP and FSDP, and the schedule that runs them.
 
-    `model` is the full model on the meta device (values from `seed`, or `state_dict` keyed by FQN) or
-    holding weights (they are used, persistent buffers included). `checkpoint`: an HF model directory whose
-    safetensors fill the stages, each rank reading only its own slices. `source_dir`: the HF directory the model
-    comes from, whose generation_config.json `save_pretrained` keeps (default: `checkpoint`). `rng_seed`: the seed
-    of the dropout streams, one per (stage, dp rank), forked per TP rank inside TP-sharded regions (default: `seed`;
-    pp_tp/parallel/rng.py). Every check and the local build run before any collective; then one exchange makes every
-    rank refuse together (the same line) or go on together.
-    """
+    `model` is the full model on the meta device (values from `seed`, or `state_dict` keyed by FQN) or holding
+    weights (they are used, persistent buffers included). `checkpoint`: an HF model directory whose safetensors fill
+    the stages, each rank reading only its own slices. `source_dir`: the HF directory the model comes from, whose
+    generation_config.json `save_pretrained` keeps (default: `checkpoint`). `rng_seed`: the dropout streams' seed
+    (default: `seed`; pp_tp/parallel/rng.py). Every check and the local build run before any collective; then one
+    exchange makes every rank refuse together (the same line) or go on together."""
     pp_rank, device = mesh.get_local_rank("pp"), rank_device(mesh)
     tied = tied_names(model)  # before the stages are materialized, which unties the shared modules
     casts: Counter = Counter()
@@ -53,8 +50,7 @@ def build_pipeline(
     def local_build() -> tuple[ParallelConfig, FsdpPolicy, Preflight, list[StageModule]]:
         """Every check and this rank's stages, with no communication; ranks agree on the outcome below."""
         checked = preflight(model, resolve_parallel(pcfg, dist.get_world_size()), mesh.device_type, seq_len)
-        resolved = checked.parallel
-        fsdp = FsdpPolicy.for_rank(resolved, pp_rank)
+        resolved, fsdp = checked.parallel, FsdpPolicy.for_rank(checked.parallel, pp_rank)
         source = open_checked(checkpoint, model) if checkpoint else None
         stages = build_local_stages(
             model, checked.layout, checked.plan, pp_rank, mesh, resolved, fsdp, device, seed, state_dict, source, casts
@@ -62,8 +58,6 @@ def build_pipeline(
         return resolved, fsdp, checked, stages
 
     pcfg, fsdp, checked, stages = agreed(local_build)  # one verdict: every rank refuses together, or none does
-    for stage in stages:
-        StageStream(stage, seed if rng_seed is None else rng_seed, stage.spec.index, dp_rank(mesh), mesh.device_type)
     d, plan = checked.dims, checked.plan
     act_dtype = torch.bfloat16 if pcfg.mixed_precision == "bf16" else torch.float32
     vocab_local = d.vocab_size // pcfg.tp if pcfg.loss_parallel else d.vocab_size
@@ -86,5 +80,6 @@ def build_pipeline(
         hf_config=getattr(model, "config", None),
         source_dir=source_dir if source_dir is not None else checkpoint,
         checkpoint_casts=casts,
+        rng_seed=seed if rng_seed is None else rng_seed,
     )
     return Pipeline(built)

@@ -25,6 +25,8 @@ from pp_tp.config import ParallelConfig
 from pp_tp.config.fsdp_policy import FsdpPolicy
 from pp_tp.errors import ConfigError
 from pp_tp.hf_checkpoint import save_pretrained
+from pp_tp.mesh import dp_rank
+from pp_tp.parallel.rng import StageStream
 from pp_tp.parallel.tensor_parallel import reduce_partial_grads
 from pp_tp.runtime.evaluate import forward_only, grad_state
 from pp_tp.runtime.grad_reduce import ReducingStage
@@ -94,7 +96,7 @@ class BuiltStages:
     against the model); `grad_factor`: what FSDP divides gradients by, undone in the loss; `tied`: tied weights held
     by several stages; `hf_config` and `source_dir`: config.json and the directory whose generation_config.json
     `save_pretrained` writes; `checkpoint_casts`: dtype conversions made while loading an HF checkpoint (for the
-    log)."""
+    log); `rng_seed`: the seed of the stages' dropout streams."""
 
     stages: list[StageModule]
     plan: StagePlan
@@ -109,6 +111,7 @@ class BuiltStages:
     hf_config: Any = None
     source_dir: str | None = None
     checkpoint_casts: Counter = field(default_factory=Counter)
+    rng_seed: int = 0
 
 
 class Pipeline:
@@ -130,6 +133,8 @@ class Pipeline:
         self._shapes_fn = built.shapes
         self._grad_factor = built.grad_factor
         self._tied = built.tied
+        for stage in built.stages:  # dropout draws from one stream per (seed, stage, dp rank): parallel/rng.py
+            StageStream(stage, built.rng_seed, stage.spec.index, dp_rank(built.mesh), built.mesh.device_type)
         self._loss = TokenSumLoss(built.tp_loss_mesh)
         self._pp_group = built.mesh.get_group("pp")
         self._dp_groups = [built.mesh.get_group(d) for d in ("dp_replicate", "dp_shard") if built.mesh[d].size() > 1]
