@@ -1,9 +1,10 @@
 """Dropout's RNG discipline (pp_tp/parallel/rng.py) on a Seed-OSS-like model (attention and residual dropout) at
 pp2 x dp2 x tp2: every `F.dropout` mask is recorded per rank. Replicated activations (the residual dropouts after
 the row-parallel layers, the blocks' outputs) are identical on the two TP ranks; the attention-probability masks of
-the two head shards differ; dp replicas and the two stages draw different masks; consecutive layers too. With
-activation checkpointing the recompute redraws the same masks (gradients equal to the run without it), and the
-model trains (loss falls). Refusals where the discipline cannot hold, and `switch_off_dropout`, single-process.
+the two head shards differ; dp replicas and the two stages draw different masks; consecutive layers and steps too,
+and the streams a checkpoint saves replay a step's masks. With activation checkpointing the recompute redraws the
+same masks (gradients equal to the run without it), and the model trains (loss falls). Refusals where the
+discipline cannot hold, and `switch_off_dropout`, single-process.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pp_tp.parallel.rng import active_dropout, switch_off_dropout
 from pp_tp.parity import dp_share
 from pp_tp.preflight import preflight
 from pp_tp.tensor_utils import full_tensor
+from pp_tp.train.checkpoint import _restore_rng, _rng_blob
 
 VOCAB, SEQ, BATCH = 64, 16, 8
 RATE = 0.3
@@ -71,17 +73,24 @@ def _case() -> dict:
             records.append((layer[0], "attn" if x.dim() == 4 else "resid", (out == 0).clone()))
         return out
 
+    hooks = []
     for part in pipe.model_parts:
         for block in part.blocks():
             idx = block.self_attn.layer_idx
-            block.register_forward_pre_hook(lambda m, a, idx=idx: layer.__setitem__(0, idx))
-            block.register_forward_hook(lambda m, a, out: outputs.append(out.detach().clone()))
+            hooks.append(block.register_forward_pre_hook(lambda m, a, idx=idx: layer.__setitem__(0, idx)))
+            hooks.append(block.register_forward_hook(lambda m, a, out: outputs.append(out.detach().clone())))
     torch.nn.functional.dropout = recording
     try:
         loss = _step(pipe)
     finally:
         torch.nn.functional.dropout = original
+        for hook in hooks:
+            hook.remove()
     grads = _grads(pipe)
+    saved = _rng_blob(pipe.rng_streams)  # what a checkpoint keeps of the streams
+    second = _step(pipe)  # no optimizer step: only the masks can change the loss
+    _restore_rng(saved, pipe.rng_streams)
+    replayed = _step(pipe)
     checkpointed = _pipe(RATE, activation_checkpoint="full")
     losses = [_step(checkpointed)]
     recomputed = _grads(checkpointed)
@@ -97,6 +106,7 @@ def _case() -> dict:
         "loss_diff": abs(loss - losses[0]),
         "grad_diff": max(pu.rel_err(recomputed[k], grads[k]) for k in grads),
         "losses": losses,
+        "step_losses": (loss, second, replayed),
     }
 
 
@@ -123,6 +133,8 @@ def test_dropout_streams_follow_the_discipline(world):
     for dp, tp, kind in itertools.product(range(2), range(2), ("attn", "resid")):  # stage 2 does not repeat stage 1
         assert not any(torch.equal(x, y) for x, y in zip(masks((0, dp, tp), kind), masks((1, dp, tp), kind)))
     for r in results:
+        first, second, replayed = r["step_losses"]  # new masks each step; a restored checkpoint replays them
+        assert second != first and replayed == second, r["step_losses"]
         assert r["loss_diff"] <= 1e-6 and r["grad_diff"] <= 1e-5, r  # the recompute redraws the same masks
         assert all(torch.isfinite(torch.tensor(r["losses"]))) and r["losses"][-1] < r["losses"][0], r["losses"]
 

@@ -190,6 +190,11 @@ def stage_plan(stage: StageModule, pcfg: ParallelConfig) -> dict[str, str]:
     """The plan for one StageModule: embedding per `parallel.embedding`, its blocks, and the head
     (vocab-sharded logits with `parallel.loss_parallel`, gathered logits otherwise)."""
     lay = stage.layout
+    if stage.is_first and pcfg.embedding == "auto":
+        raise ConfigError(
+            'parallel.embedding = "auto" reached the TP pass unresolved; resolve it with the model first '
+            "(pp_tp.preflight.resolve_embedding, which build_pipeline runs)"
+        )
     plan = {lay.embed: pcfg.embedding} if stage.is_first else {}
     for key, block in zip(stage.spec.blocks, stage.blocks()):
         plan.update({f"{lay.blocks}.{key}.{rule}": style for rule, style in block_plan(block, lay).items()})

@@ -133,8 +133,11 @@ class Pipeline:
         self._shapes_fn = built.shapes
         self._grad_factor = built.grad_factor
         self._tied = built.tied
-        for stage in built.stages:  # dropout draws from one stream per (seed, stage, dp rank): parallel/rng.py
-            StageStream(stage, built.rng_seed, stage.spec.index, dp_rank(built.mesh), built.mesh.device_type)
+        # Dropout draws from one stream per (seed, stage, dp rank) (parallel/rng.py); checkpoints keep their states.
+        self.rng_streams = [
+            StageStream(s, built.rng_seed, s.spec.index, dp_rank(built.mesh), built.mesh.device_type)
+            for s in built.stages
+        ]
         self._loss = TokenSumLoss(built.tp_loss_mesh)
         self._pp_group = built.mesh.get_group("pp")
         self._dp_groups = [built.mesh.get_group(d) for d in ("dp_replicate", "dp_shard") if built.mesh[d].size() > 1]

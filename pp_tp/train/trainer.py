@@ -135,7 +135,9 @@ class Trainer:
         self.loader = ShardedBatches(self.source, t.batch_size, dp_rank(self.mesh), dp_size(self.mesh), seed=t.seed)
         self.optimizers, self.schedulers = build_optimizers(self.pipe.model_parts, t)
         parts = self.pipe.model_parts
-        self.checkpointer = Checkpointer(self.cfg.checkpoint, parts, self.optimizers, self.schedulers, self.loader)
+        self.checkpointer = Checkpointer(
+            self.cfg.checkpoint, parts, self.optimizers, self.schedulers, self.loader, self.pipe.rng_streams
+        )
         self.step = _resume(self.checkpointer, resume, self.cfg)
         self.metrics = _metrics(self.cfg, self.dims, self.mesh)
         self.guard = NonFiniteGuard(parts, self.pipe.pcfg.num_stages, self.pipe.device)
