@@ -55,18 +55,18 @@ def build_pipeline(
     source_dir: str | None = None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | str | None = None,
     loss_normalizer: str = "elements",
+    rng_seed: int | None = None,
 ) -> Pipeline:
     """This rank's share of `model` as pipeline stages with TP and FSDP, and the schedule that runs them.
 
-    `model` is the full model on the meta device (values from `seed`, or `state_dict` keyed by FQN) or
-    holding weights (they are used, persistent buffers included). `checkpoint`: an HF model directory whose
-    safetensors fill the stages, each rank reading only its own slices. `source_dir`: the HF directory the model
-    comes from, whose generation_config.json `save_pretrained` keeps (default: `checkpoint`). `loss_fn` (a callable
-    with reduction="sum" or "mse", "l1", "cross_entropy") over the global `loss_normalizer`: runtime/loss.py:SumLoss;
-    `Pipeline.step(inputs, targets)` then takes any tensors, boundaries inferred per input shape. Every check and the
-    local build run before any collective; then one exchange makes every rank refuse together (the same line) or
-    go on together.
-    """
+    `model` is the full model on the meta device (values from `seed`, or `state_dict` keyed by FQN) or holding
+    weights (they are used, persistent buffers included). `checkpoint`: an HF model directory whose safetensors fill
+    the stages, each rank reading only its own slices. `source_dir`: the HF directory the model comes from, whose
+    generation_config.json `save_pretrained` keeps (default: `checkpoint`). `loss_fn` (a callable with
+    reduction="sum" or "mse", "l1", "cross_entropy") over the global `loss_normalizer`: runtime/loss.py:SumLoss;
+    `Pipeline.step(inputs, targets)` then takes any tensors, boundaries inferred per input shape. `rng_seed`: the
+    dropout streams' seed (default: `seed`; pp_tp/parallel/rng.py). Every check and the local build run before any
+    collective; then one exchange makes every rank refuse together (the same line) or go on together."""
     pp_rank, device = mesh.get_local_rank("pp"), rank_device(mesh)
     tied = tied_names(model)  # before the stages are materialized, which unties the shared modules
     skeleton = meta_skeleton(model) if loss_fn is not None else None  # boundary shapes are inferred on it
@@ -75,8 +75,8 @@ def build_pipeline(
     def local_build() -> tuple[ParallelConfig, FsdpPolicy, Preflight, list[StageModule], SumLoss | None]:
         """Every check and this rank's stages, with no communication; ranks agree on the outcome below."""
         resolved = resolve_parallel(pcfg, dist.get_world_size())
-        fsdp = FsdpPolicy.for_rank(resolved, pp_rank)
         checked = preflight(model, resolved, mesh.device_type, seq_len, custom_loss=loss_fn is not None)
+        resolved, fsdp = checked.parallel, FsdpPolicy.for_rank(checked.parallel, pp_rank)
         loss = SumLoss(loss_fn, loss_normalizer) if loss_fn is not None else None
         source = open_checked(checkpoint, model) if checkpoint else None
         stages = build_local_stages(
@@ -101,5 +101,6 @@ def build_pipeline(
         hf_config=getattr(model, "config", None),
         source_dir=source_dir if source_dir is not None else checkpoint,
         checkpoint_casts=casts,
+        rng_seed=seed if rng_seed is None else rng_seed,
     )
     return Pipeline(built)

@@ -48,6 +48,9 @@ class ModelLayout:
     ``attention``: block-relative name of the attention module (selective activation checkpointing).
     ``after_embed(h)`` / ``after_head(logits)``: what the model's own forward does outside its modules right
     after the embedding and after the head (embedding multipliers, logit scaling or softcapping).
+    ``after_embed_modules`` / ``before_norm_modules``: parameterless modules (dropout, identity) the model runs
+    on the hidden state right after the embedding / right before the final norm; the first / last stage holds
+    and runs them, with the modules around them.
     ``tp_refusal``: why this model cannot run with parallel.tp > 1 (raised in one line), or None.
     ``experts``: block-relative names (``*`` matches one component) of mixture-of-experts experts modules: 3-D
     parameters with the expert on dim 0, called as ``experts(hidden [T, D], top_k_index [T, k], top_k_weights
@@ -101,6 +104,9 @@ class ModelLayout:
     def last_fqns(self) -> tuple[str, ...]:
         """The modules the last stage runs, in order, after its blocks."""
         return self.post if not self.is_lm else (self.norm, self.head)
+
+    after_embed_modules: tuple[str, ...] = ()
+    before_norm_modules: tuple[str, ...] = ()
 
     def block_keys(self, model: nn.Module) -> list[str]:
         """The blocks' names inside the blocks container, in execution order."""

@@ -7,6 +7,7 @@ refusals a job can meet before it starts.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from torch import nn
@@ -16,18 +17,21 @@ from pp_tp.errors import ConfigError
 from pp_tp.layout import ModelDims, ModelLayout, layout_for
 from pp_tp.parallel.experts import check_experts
 from pp_tp.parallel.float8 import check_float8
-from pp_tp.parallel.tensor_parallel import check_tp_plan
+from pp_tp.parallel.rng import CLOSES, DEVICES, NEUTRAL, OPENS, active_dropout
+from pp_tp.parallel.tensor_parallel import block_plan, check_tp_plan
 from pp_tp.split.plan import StagePlan, plan_stages
 from pp_tp.stages.stage_module import reserved_name
 
 
 @dataclass(frozen=True)
 class Preflight:
-    """What the checks found out on the way: the model's layout, its dims and the stage plan."""
+    """What the checks found out on the way: the model's layout, its dims, the stage plan and the parallel config
+    with its model-dependent defaults resolved (`parallel.embedding`)."""
 
     layout: ModelLayout
     dims: ModelDims
     plan: StagePlan
+    parallel: ParallelConfig
 
 
 def check_model_shape(pcfg: ParallelConfig, d: ModelDims) -> None:
@@ -58,13 +62,21 @@ def check_seq_len(seq_len: int, d: ModelDims, key: str = "training.seq_len") -> 
         )
 
 
+def resolve_embedding(pcfg: ParallelConfig, d: ModelDims) -> ParallelConfig:
+    """`parallel.embedding = "auto"` made concrete: vocab-parallel when the model ties its embeddings and tp > 1
+    (the one sharding a tied weight can share with the column-parallel head), replicated otherwise."""
+    if pcfg.embedding != "auto":
+        return pcfg
+    return dataclasses.replace(pcfg, embedding="vocab_parallel" if d.tied and pcfg.tp > 1 else "replicate")
+
+
 def check_tied(pcfg: ParallelConfig, d: ModelDims) -> None:
     """Tied embeddings under TP: the embedding and the column-parallel head must share one (vocabulary) sharding."""
     if d.tied and pcfg.tp > 1 and pcfg.embedding != "vocab_parallel":
         raise ConfigError(
             f"parallel.embedding = {pcfg.embedding!r}: the model ties its input and output embeddings, and with "
-            'parallel.tp > 1 the head is sharded on the vocabulary; set parallel.embedding = "vocab_parallel" so '
-            "both copies share one sharding"
+            'parallel.tp > 1 the head is sharded on the vocabulary; set parallel.embedding = "vocab_parallel" (or '
+            'leave it "auto") so both copies share one sharding'
         )
 
 
@@ -90,13 +102,46 @@ def check_layout_names(layout: ModelLayout) -> None:
         )
 
 
+def check_dropout(model: nn.Module, layout: ModelLayout, pcfg: ParallelConfig, device_type: str) -> None:
+    """Dropout whose masks the RNG discipline (pp_tp/parallel/rng.py) cannot place is refused: on a device whose
+    generator pp_tp does not swap, inside compiled blocks under TP, or next to a TP style not known to hand on a
+    sharded or a replicated activation."""
+    rates = active_dropout(model)
+    if not rates:
+        return
+    off = f"or set the dropout ({rates[0]}) to 0"
+    if device_type not in DEVICES:
+        raise ConfigError(
+            f"dropout ({rates[0]}) on a {device_type!r} device: pp_tp keeps per-stage dropout streams on "
+            f"{' and '.join(DEVICES)} generators only; run on one of them {off}"
+        )
+    if pcfg.tp == 1:
+        return
+    if pcfg.compile:
+        raise ConfigError(
+            f"parallel.compile = true with dropout ({rates[0]}) and parallel.tp = {pcfg.tp}: the TP-rank dropout "
+            f"streams switch generator states inside the blocks, which compiled blocks do not see; set "
+            f"parallel.compile = false {off}"
+        )
+    for key, block in model.get_submodule(layout.blocks).named_children():
+        for rule, style in block_plan(block, layout).items():
+            if style not in OPENS | CLOSES | NEUTRAL:
+                raise ConfigError(
+                    f"dropout ({rates[0]}) with parallel.tp = {pcfg.tp}: TP style {style!r} of "
+                    f"{layout.blocks}.{key}.{rule} is not known to hand on a sharded or a replicated activation, so "
+                    f"pp_tp cannot tell which dropout masks must differ per TP rank; set parallel.tp = 1 {off}"
+                )
+
+
 def preflight(
     model: nn.Module, pcfg: ParallelConfig, device_type: str, seq_len: int | None = None, custom_loss: bool = False
 ) -> Preflight:
     """All model-dependent refusals for `model` under a resolved `pcfg`, in one order; no communication.
-    `custom_loss`: the job brings its own loss (build_pipeline's loss_fn, [training] loss)."""
+    `custom_loss`: the job brings its own loss (build_pipeline's loss_fn, [training] loss). Callers build with the
+    returned `parallel`, whose model-dependent defaults are resolved."""
     layout = layout_for(model)
     d = layout.dims(model)
+    pcfg = resolve_embedding(pcfg, d)
     check_layout_names(layout)
     check_loss(layout, pcfg, custom_loss)
     check_model_shape(pcfg, d)
@@ -105,8 +150,9 @@ def preflight(
     check_tied(pcfg, d)
     check_tp_plan(model, layout, pcfg)
     check_experts(model, layout, pcfg)
+    check_dropout(model, layout, pcfg, device_type)
     check_float8(pcfg, device_type)
-    return Preflight(layout, d, plan_stages(model, layout, pcfg, seq_len))
+    return Preflight(layout, d, plan_stages(model, layout, pcfg, seq_len), pcfg)
 
 
 def _check_divisible(key: str, value: int, by_key: str, by: int) -> None:

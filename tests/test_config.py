@@ -242,7 +242,7 @@ ERROR_CASES = [
         ["model.n_layers = 3 is fewer than the 4 pipeline stages"],
     ),
     (
-        ["model.tie_embeddings=true"],
+        ["model.tie_embeddings=true", "parallel.embedding=replicate"],
         WORLD,
         ["parallel.embedding = 'replicate'", "ties its input and output embeddings", "vocab_parallel"],
     ),
@@ -253,7 +253,11 @@ ERROR_CASES = [
         WORLD,
         ["parallel.stages_per_rank = 1", "needs exactly 2"],
     ),
-    (["parallel.pp=1", "parallel.tp=2", "model.tie_embeddings=true"], 2, ["ties its input and output embeddings"]),
+    (
+        ["parallel.pp=1", "parallel.tp=2", "model.tie_embeddings=true", "parallel.embedding=replicate"],
+        2,
+        ["ties its input and output embeddings"],
+    ),
     (["parallel.microbatches=1", "training.batch_size=2"], WORLD, ["parallel.microbatches = 1", "raise"]),
     (["parallel.schedule=missing.csv"], WORLD, ["parallel.schedule = 'missing.csv'", "file not found"]),
     # batch and sequence

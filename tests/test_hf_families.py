@@ -147,14 +147,15 @@ def family_case(name: str, kw: dict, batch: int = 8, steps: int = 2) -> dict:
 
 TP = dict(tp=2, embedding="vocab_parallel")
 # (family, layout) pairs: pp2 x tp2 across 1F1B, an interleaved and a V schedule; some with dp2 and padding.
+# Tied families without `embedding` run on the default ("auto": vocab-parallel because they tie and tp > 1).
 CASES4 = [
-    ("llama_tied", dict(pp=2, schedule="1F1B", microbatches=2, **TP)),
+    ("llama_tied", dict(pp=2, schedule="1F1B", microbatches=2, tp=2)),
     ("llama_tied", dict(pp=2, schedule="ZBVZeroBubble", microbatches=4, **TP)),  # one rank holds both ends
     ("llama", dict(pp=2, schedule="Interleaved1F1B", microbatches=2, **TP, loss_parallel=True)),
     ("qwen2_tied_bias", dict(pp=2, schedule="Interleaved1F1B", microbatches=2, **TP)),
     ("qwen3", dict(pp=2, schedule="1F1B", microbatches=2, **TP)),
     ("mistral_sliding", dict(pp=2, schedule="1F1B", microbatches=4, **TP)),
-    ("gemma_tied_scaled", dict(pp=2, schedule="DualPipeV", microbatches=4, **TP)),
+    ("gemma_tied_scaled", dict(pp=2, schedule="DualPipeV", microbatches=4, tp=2)),
     ("reference_tied", dict(pp=2, schedule="Interleaved1F1B", microbatches=2, **TP)),
     ("gemma2_softcap", dict(pp=2, schedule="1F1B", microbatches=2, **TP)),
     ("gemma3_alternating", dict(pp=2, schedule="Interleaved1F1B", microbatches=2, **TP)),
@@ -164,7 +165,7 @@ CASES4 = [
     ("starcoder2", dict(pp=2, schedule="Interleaved1F1B", microbatches=2, **TP)),
     ("cohere_logit_scale", dict(pp=2, schedule="1F1B", microbatches=2, **TP)),
     ("mixtral_moe", dict(pp=2, dp_shard=2, schedule="ZBVZeroBubble", microbatches=4)),  # experts whole per rank
-    ("smollm3_nope_layers", dict(pp=2, schedule="1F1B", microbatches=2, **TP)),
+    ("smollm3_nope_layers", dict(pp=2, schedule="1F1B", microbatches=2, tp=2)),
     ("cohere2_sliding", dict(pp=2, schedule="Interleaved1F1B", microbatches=2, **TP)),
     ("qwen2_window_layers", dict(pp=2, schedule="1F1B", microbatches=2, **TP)),
     ("qwen3_moe", dict(pp=2, dp_shard=2, schedule="1F1B", microbatches=2)),
@@ -263,7 +264,18 @@ def test_a_parameter_in_the_sharded_middle_of_a_sub_block_is_refused_under_tp():
 
 def test_tied_with_tp_needs_the_vocab_parallel_embedding():
     with pytest.raises(ConfigError, match='set parallel.embedding = "vocab_parallel"'):
-        _preflight(make("llama_tied", "meta"), pp=2, tp=2)
+        _preflight(make("llama_tied", "meta"), pp=2, tp=2, embedding="replicate")
+
+
+@pytest.mark.parametrize(
+    "name, tp, want",
+    [("llama_tied", 2, "vocab_parallel"), ("llama_tied", 1, "replicate"), ("llama", 2, "replicate")],
+)
+def test_the_default_embedding_is_the_exact_choice(name, tp, want):
+    """`parallel.embedding = "auto"` (the default) resolves to vocab-parallel exactly when the model ties and tp > 1."""
+    pcfg = ParallelConfig(pp=2, tp=tp, dp_shard=1, stages_per_rank=1)
+    assert pcfg.embedding == "auto"
+    assert preflight(make(name, "meta"), pcfg, "cpu", SEQ).parallel.embedding == want
 
 
 class _DoubledLogits(T.LlamaForCausalLM):

@@ -25,8 +25,8 @@ CONFIG = os.path.join(os.path.dirname(__file__), "..", "toml_configs", "debug_cp
 
 # (overrides, world size): each is refused by the model's rules, not the config's alone.
 REFUSED = [
-    (["parallel.pp=1", "parallel.tp=2", "model.tie_embeddings=true"], 2),
-    (["model.tie_embeddings=true"], 4),
+    (["parallel.pp=1", "parallel.tp=2", "model.tie_embeddings=true", "parallel.embedding=replicate"], 2),
+    (["model.tie_embeddings=true", "parallel.embedding=replicate"], 4),
     (["parallel.tp=4", "model.n_heads=2", "model.dim=64"], 8),
     (["model.ffn_dim=171"], 4),
     (["model.vocab_size=257"], 4),
@@ -72,3 +72,18 @@ def test_v_schedules_default_to_two_stages_per_rank_in_python_toml_and_build():
     explicit = dataclasses.replace(pcfg, stages_per_rank=1)
     with pytest.raises(ConfigError, match="needs exactly 2"):
         pp_tp.config.resolve_parallel(explicit, 2)
+
+
+def test_check_and_build_resolve_the_default_embedding_alike(capsys, monkeypatch):
+    """A tied model at tp > 1 on the default `parallel.embedding = "auto"`: `pp-tp check` prints the vocab-parallel
+    embedding, and build_pipeline builds with it."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    overrides = ["model.tie_embeddings=true"]
+    assert main(["check", "--config", CONFIG, "--world-size", "4", *overrides]) == 0
+    assert 'embedding = "vocab_parallel"' in capsys.readouterr().out.splitlines()
+    cfg = load_config(CONFIG, overrides, 4)
+    assert cfg.parallel.embedding == "auto" and cfg.parallel.tp == 2
+    with fake_world(4):
+        mesh = init_device_mesh("cpu", mesh_shape(cfg.parallel, 4), mesh_dim_names=MESH_DIMS)
+        pipe = pp_tp.build_pipeline(build_model(cfg.model, "meta"), mesh, cfg.parallel, seq_len=cfg.training.seq_len)
+    assert pipe.pcfg.embedding == "vocab_parallel"

@@ -115,7 +115,14 @@ def pass_order_case(order: tuple[str, ...] = ()) -> dict:
     """Runs parallelize_stage with every pass on (pp1 x tp2 x dp2), recording what each pass finds on entry;
     `order` (pass names) runs them in another order, to show the check below catches it."""
     pcfg = pu.pcfg_of(
-        tp=2, dp_shard=2, schedule="1F1B", microbatches=2, float8=True, activation_checkpoint="full", compile=True
+        tp=2,
+        dp_shard=2,
+        schedule="1F1B",
+        microbatches=2,
+        float8=True,
+        activation_checkpoint="full",
+        compile=True,
+        embedding="replicate",  # what preflight resolves "auto" to for this untied model; no preflight runs here
     )
     model = pu.make_model(device="meta")
     stage = StageModule(model, REFERENCE, plan_stages(model, REFERENCE, pcfg).stages[0])

@@ -2,8 +2,9 @@
 
 Every rank builds the single-process model on the same weights and batch (so the model must fit on
 one device), runs the same AdamW steps, and compares after each step the loss, every local parameter's full
-gradient and updated value, and the persistent buffers with the pipelined build (pp_tp/parity.py). Rank 0
-prints one row per step; the exit code says whether all rows passed.
+gradient and updated value, and the persistent buffers with the pipelined build (pp_tp/parity.py). Dropout is off
+in both builds (their masks differ by design) and the output says so. Rank 0 prints one row per step; the exit
+code says whether all rows passed.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pp_tp.errors import ConfigError
 from pp_tp.layout import layout_for
 from pp_tp.mesh import init_distributed
 from pp_tp.models.factory import build_model
+from pp_tp.parallel.rng import switch_off_dropout
 from pp_tp.parity import PipelineRun, ReferenceRun, lockstep
 from pp_tp.runtime.loss import SumLoss
 from pp_tp.seeded_init import init_weights
@@ -56,14 +58,14 @@ def run_parity(cfg: JobConfig, steps: int, tol: float | None) -> int:
     tol = DEFAULT_TOL[cfg.parallel.mixed_precision] if tol is None else tol
     init_distributed(cfg.training.comm_timeout_s)
     mesh = pp_tp.build_mesh(cfg.parallel)
-    model = build_model(cfg.model, "cpu")
+    model, meta = build_model(cfg.model, "cpu"), build_model(cfg.model, "meta")
+    dropout = switch_off_dropout(model)  # two builds draw different masks: compare without them (said below)
+    switch_off_dropout(meta)
     layout = layout_for(model)
     init_weights(model, cfg.model.seed, layout.dims(model).n_layers, layout.init_std)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     t = cfg.training
-    pipe = pp_tp.build_pipeline(
-        build_model(cfg.model, "meta"), mesh, cfg.parallel, state_dict=state, loss_fn=t.loss or None
-    )
+    pipe = pp_tp.build_pipeline(meta, mesh, cfg.parallel, state_dict=state, loss_fn=t.loss or None)
 
     def adamw(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
@@ -80,6 +82,8 @@ def run_parity(cfg: JobConfig, steps: int, tol: float | None) -> int:
         rows.append((step, d.loss, d.ref_loss, *errs, "ok" if passed else "FAIL"))
     if dist.get_rank() == 0:
         print(format_table(rows, tol))
+        if dropout:
+            print(f"dropout off in both builds for the comparison: {', '.join(dropout)}")
     return 0 if ok else 1
 
 

@@ -94,7 +94,9 @@ class ParallelConfig:
     compile_backend: str = "inductor"  # torch.compile backend; "aot_eager" compiles fast (CPU tests)
     float8: bool = False
     float8_fsdp_all_gather: bool = False  # FSDP all-gathers float8 weights (needs float8, dp_shard > 1, tp = 1)
-    embedding: str = "replicate"
+    # "auto": "vocab_parallel" when the model ties its embeddings and tp > 1 (the only exact choice), else
+    # "replicate"; resolved with the model by preflight.resolve_embedding.
+    embedding: str = "auto"
     loss_parallel: bool = False
 
     @property
@@ -183,7 +185,7 @@ CHOICES: dict[str, dict[str, tuple[str, ...]]] = {
         "grad_accum_dtype": ("fp32", "bf16"),
         "mixed_precision": ("bf16", "fp32"),
         "activation_checkpoint": ("none", "full", "selective"),
-        "embedding": ("replicate", "vocab_parallel"),
+        "embedding": ("auto", "replicate", "vocab_parallel"),
     },
     "data": {"source": ("synthetic", "text", "fields")},
 }

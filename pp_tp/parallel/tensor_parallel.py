@@ -34,6 +34,7 @@ from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
 from pp_tp.layout import ModelLayout
 from pp_tp.parallel.declared_tp import ConvChannelParallel, declared_plan
+from pp_tp.parallel.rng import active_dropout, install_sharded_regions
 
 if TYPE_CHECKING:  # annotations only: parallel/ is applied to stage modules, it does not build them
     from pp_tp.stages.stage_module import StageModule
@@ -212,6 +213,11 @@ def stage_plan(stage: StageModule, pcfg: ParallelConfig) -> dict[str, str]:
     """The plan for one StageModule: embedding per `parallel.embedding`, its blocks, and the head
     (vocab-sharded logits with `parallel.loss_parallel`, gathered logits otherwise)."""
     lay = stage.layout
+    if stage.is_first and pcfg.embedding == "auto":
+        raise ConfigError(
+            'parallel.embedding = "auto" reached the TP pass unresolved; resolve it with the model first '
+            "(pp_tp.preflight.resolve_embedding, which build_pipeline runs)"
+        )
     plan = {lay.embed: pcfg.embedding} if stage.is_first and lay.is_lm else {}
     for key, block in zip(stage.spec.blocks, stage.block_modules()):
         plan.update({f"{lay.blocks}.{key}.{rule}": style for rule, style in block_plan(block, lay).items()})
@@ -282,6 +288,8 @@ def apply_tp(stage: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig) -> bool:
     # src_data_rank=None: shard locally; values are filled after materialization (tensor_utils.copy_full_).
     parallelize_module(stage, mesh["tp"], styles, src_data_rank=None)
     _retie(stage)
+    if active_dropout(stage):  # TP-sharded activations draw their dropout masks per TP rank (parallel/rng.py)
+        install_sharded_regions(stage, report.resolved, mesh.device_type, mesh["tp"].get_local_rank())
     return True
 
 

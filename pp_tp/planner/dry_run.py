@@ -18,6 +18,7 @@ from pp_tp.planner.estimates import ScheduleEstimate, candidate_schedules, sched
 from pp_tp.planner.fake_world import fake_world
 from pp_tp.planner.memory import RankMemory, StageCost, rank_memory, settle, stage_cost
 from pp_tp.planner.schedule_sim import schedule_actions
+from pp_tp.preflight import resolve_embedding
 from pp_tp.split.plan import StagePlan, StageSpec, plan_stages
 from pp_tp.stages.stage_module import StageModule
 
@@ -66,6 +67,7 @@ def plan_job(cfg: JobConfig, world_size: int) -> JobPlan:
         mesh = make_mesh("cpu", pcfg, world_size)
         model = build_model(cfg.model, "meta")
         layout = layout_for(model)
+        pcfg = resolve_embedding(pcfg, layout.dims(model))
         plan = plan_stages(model, layout, pcfg, cfg.training.seq_len)
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         # Blocks of one model are alike: stages with the same (embed, block count, head) cost the same,

@@ -33,6 +33,7 @@ from pp_tp.parallel.apply import parallelize_stage
 from pp_tp.planner.activations import stage_activation_bytes
 from pp_tp.planner.fake_world import fake_world
 from pp_tp.planner.memory import StageCost, boundary_extras, tp_local_numel
+from pp_tp.preflight import resolve_embedding
 from pp_tp.split.plan import StageSpec
 from pp_tp.stages.stage_module import StageModule
 
@@ -88,8 +89,9 @@ class StageCostCache:
 
     def _measure(self, tp: int, ac: str, kinds: list[Kind]) -> None:
         """Parallelizes and runs each kind on a fake world of tp ranks (pp = dp = 1), one sequence."""
+        sized = resolve_embedding(dataclasses.replace(self.cfg.parallel, tp=tp), self.dims)
         pcfg = dataclasses.replace(
-            self.cfg.parallel, pp=1, tp=tp, dp_shard=1, dp_replicate=1, activation_checkpoint=ac, compile=False,
+            sized, pp=1, tp=tp, dp_shard=1, dp_replicate=1, activation_checkpoint=ac, compile=False,
             float8=False, fsdp_reshard_after_forward="default", fsdp_grad_reduce="step", schedule="1F1B",
             stages_per_rank=1, split="balanced", layers_per_stage=None, stage_fqns=None,
         )  # fmt: skip

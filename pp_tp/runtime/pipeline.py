@@ -26,6 +26,8 @@ from pp_tp.config import ParallelConfig
 from pp_tp.config.fsdp_policy import FsdpPolicy
 from pp_tp.errors import ConfigError
 from pp_tp.hf_checkpoint import save_pretrained
+from pp_tp.mesh import dp_rank
+from pp_tp.parallel.rng import StageStream
 from pp_tp.parallel.tensor_parallel import reduce_partial_grads
 from pp_tp.runtime.boundary import BoundaryShapes, InferredShapes
 from pp_tp.runtime.evaluate import forward_only, grad_state
@@ -69,7 +71,7 @@ class BuiltStages:
     `grad_factor`: what FSDP divides gradients by, undone in the loss; `tied`: tied weights held by several
     stages; `hf_config` and `source_dir`: config.json and the directory whose generation_config.json
     `save_pretrained` writes; `checkpoint_casts`: dtype conversions made while loading an HF checkpoint (for the
-    log)."""
+    log); `rng_seed`: the seed of the stages' dropout streams."""
 
     stages: list[StageModule]
     plan: StagePlan
@@ -85,6 +87,7 @@ class BuiltStages:
     hf_config: Any = None
     source_dir: str | None = None
     checkpoint_casts: Counter = field(default_factory=Counter)
+    rng_seed: int = 0
 
 
 class Pipeline:
@@ -106,6 +109,11 @@ class Pipeline:
         self._shapes_fn = built.shapes
         self._grad_factor = built.grad_factor
         self._tied = built.tied
+        # Dropout draws from one stream per (seed, stage, dp rank) (parallel/rng.py); checkpoints keep their states.
+        self.rng_streams = [
+            StageStream(s, built.rng_seed, s.spec.index, dp_rank(built.mesh), built.mesh.device_type)
+            for s in built.stages
+        ]
         self._targets = built.loss is not None  # step(inputs, targets) with the caller's loss
         self._loss = built.loss if built.loss is not None else TokenSumLoss(built.tp_loss_mesh)
         self._pp_group = built.mesh.get_group("pp")

@@ -74,7 +74,8 @@ class StageModule(nn.Module):
         super().__init__()
         self.layout = layout
         self.spec = spec
-        for fqn in spec.fqns + list(layout.shared):
+        edges = (layout.after_embed_modules if spec.embed else ()) + (layout.before_norm_modules if spec.head else ())
+        for fqn in spec.fqns + list(edges) + list(layout.shared):
             _attach(self, model, fqn)
         aliases = canonical_names(model) if aliases is None else aliases
         # Each local parameter name -> the model's canonical key for its value (seeded init, checkpoints).
@@ -127,11 +128,15 @@ class StageModule(nn.Module):
             for fqn in lay.first_fqns:
                 h = self.get_submodule(fqn)(h)
             h = lay.after_embed(h) if lay.after_embed is not None else h
+            for name in lay.after_embed_modules:
+                h = self.get_submodule(name)(h)
         if self.spec.blocks:
             extras = self._block_inputs(h)
             for block in self.block_modules():
                 h = lay.call_block(block, h, extras)
         if self.is_last:
+            for name in lay.before_norm_modules:
+                h = self.get_submodule(name)(h)
             for fqn in lay.last_fqns:
                 h = self.get_submodule(fqn)(h)
             h = lay.after_head(h) if lay.after_head is not None else h

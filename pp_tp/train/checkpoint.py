@@ -15,6 +15,7 @@ import io
 import os
 import re
 import shutil
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -29,15 +30,17 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from pp_tp.config import CheckpointConfig
+from pp_tp.parallel.rng import StageStream
 from pp_tp.train.data import ShardedBatches
 
 _FINAL = re.compile(r"^step-(\d+)$")
 _OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def _rng_blob() -> bytes:
-    """Every rank's RNG states, gathered: one object identical on all ranks, as DCP needs for a replicated entry."""
-    mine = {"cpu": torch.get_rng_state()}
+def _rng_blob(streams: Sequence[StageStream]) -> bytes:
+    """Every rank's RNG states (its global generators and its stages' dropout streams), gathered: one object identical
+    on all ranks, as DCP needs for a replicated entry."""
+    mine = {"cpu": torch.get_rng_state(), "streams": [s.state for s in streams]}
     if torch.cuda.is_available():
         mine["cuda"] = torch.cuda.get_rng_state()
     states: list = [None] * dist.get_world_size()
@@ -47,12 +50,14 @@ def _rng_blob() -> bytes:
     return buf.getvalue()
 
 
-def _restore_rng(blob: bytes) -> None:
+def _restore_rng(blob: bytes, streams: Sequence[StageStream]) -> None:
     """Restores this rank's RNG when the world size matches; at another layout the streams do not correspond."""
     states = torch.load(io.BytesIO(blob), weights_only=True)
     if len(states) == dist.get_world_size():
         mine = states[dist.get_rank()]
         torch.set_rng_state(mine["cpu"])
+        for stream, state in zip(streams, mine.get("streams", [])):
+            stream.state = state
         if "cuda" in mine and torch.cuda.is_available():
             torch.cuda.set_rng_state(mine["cuda"])
 
@@ -98,9 +103,11 @@ class Checkpointer:
         optimizers: list[torch.optim.Optimizer],
         schedulers: list[torch.optim.lr_scheduler.LRScheduler],
         loader: ShardedBatches,
+        rng_streams: Sequence[StageStream] = (),
     ):
         self.cfg = ccfg
         self.parts, self.optimizers, self.schedulers, self.loader = model_parts, optimizers, schedulers, loader
+        self.rng_streams = rng_streams  # the pipeline's dropout streams (Pipeline.rng_streams)
 
     def _state(self, step: int) -> dict:
         model: dict = {}
@@ -113,7 +120,7 @@ class Checkpointer:
             "optim": optim,
             "lr_scheduler": _one_group(self.schedulers[0].state_dict()),
             "data": self.loader.state_dict(),
-            "rng": _rng_blob(),
+            "rng": _rng_blob(self.rng_streams),
             "step": step,
         }
 
@@ -128,7 +135,7 @@ class Checkpointer:
         for sched in self.schedulers:
             sched.load_state_dict(_per_group(state["lr_scheduler"], len(sched.optimizer.param_groups)))
         self.loader.load_state_dict(state["data"])
-        _restore_rng(state["rng"])
+        _restore_rng(state["rng"], self.rng_streams)
         return int(state["step"])
 
     def save(self, step: int) -> str:

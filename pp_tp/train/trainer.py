@@ -134,11 +134,14 @@ class Trainer:
             model, self.mesh, self.cfg.parallel, seed=self.cfg.model.seed, seq_len=t.seq_len, checkpoint=hf_dir,
             source_dir=self.cfg.model.hf_path or None,  # save_pretrained keeps its generation_config.json
             loss_fn=t.loss or None,  # a model that is not an LM: its own loss, e.g. "mse"
+            rng_seed=t.seed,  # dropout streams per (stage, dp rank), per TP rank in sharded regions
         )  # fmt: skip
         self.loader = ShardedBatches(self.source, t.batch_size, dp_rank(self.mesh), dp_size(self.mesh), seed=t.seed)
         self.optimizers, self.schedulers = build_optimizers(self.pipe.model_parts, t)
         parts = self.pipe.model_parts
-        self.checkpointer = Checkpointer(self.cfg.checkpoint, parts, self.optimizers, self.schedulers, self.loader)
+        self.checkpointer = Checkpointer(
+            self.cfg.checkpoint, parts, self.optimizers, self.schedulers, self.loader, self.pipe.rng_streams
+        )
         self.step = _resume(self.checkpointer, resume, self.cfg)
         self.metrics = _metrics(self.cfg, self.dims, self.mesh)
         self.guard = NonFiniteGuard(parts, self.pipe.pcfg.num_stages, self.pipe.device)

@@ -41,20 +41,45 @@ def _refuse(model: nn.Module, why: str) -> ConfigError:
     return ConfigError(f"model {type(model).__name__}: {why}")
 
 
-def _pp_plan(model: nn.Module) -> tuple[str, str, str]:
-    """(embedding, blocks, norm) names inside the base model, from its declared base_model_pp_plan, or for a
-    model declaring none, its standard structure (the self-check then proves the composition)."""
+@dataclasses.dataclass(frozen=True)
+class _PpPlan:
+    """The base model's declared pipeline plan: embedding, blocks and norm, and the parameterless modules
+    (dropout, identity) between them."""
+
+    embed: str
+    after_embed: tuple[str, ...]
+    blocks: str
+    before_norm: tuple[str, ...]
+    norm: str
+
+
+def _pp_plan(model: nn.Module, base: nn.Module) -> _PpPlan:
+    """The declared base_model_pp_plan: embedding -> parameterless modules -> layers -> parameterless modules ->
+    norm, or for a model declaring none, its standard structure (the self-check then proves the composition);
+    anything else is refused."""
     plan = getattr(model.config, "base_model_pp_plan", None)
     if not plan:
         return _standard_plan(model)
     names = list(plan)
-    firsts = [inputs[0] if inputs else None for inputs, _ in plan.values()]
-    if len(names) != 3 or firsts[0] != "input_ids" or firsts[1] != "hidden_states":
-        raise _refuse(model, f"base_model_pp_plan {plan} is not embedding -> layers -> norm; register a layout for it")
-    return names[0], names[1], names[2]
+    firsts = {n: inputs[0] if inputs else None for n, (inputs, _) in plan.items()}
+    weighted = [n for n in names[1:-1] if any(True for _ in base.get_submodule(n).parameters())]
+    if (
+        len(names) < 3
+        or firsts[names[0]] != "input_ids"
+        or len(weighted) != 1
+        or firsts[weighted[0]] != "hidden_states"
+    ):
+        raise _refuse(
+            model,
+            f"base_model_pp_plan {plan} is not embedding -> layers -> norm (with only parameterless modules between "
+            "them); register a layout for it",
+        )
+    embed, blocks, norm = names[0], weighted[0], names[-1]
+    at = names.index(blocks)
+    return _PpPlan(embed, tuple(names[1:at]), blocks, tuple(names[at + 1 : -1]), norm)
 
 
-def _standard_plan(model: nn.Module) -> tuple[str, str, str]:
+def _standard_plan(model: nn.Module) -> _PpPlan:
     """embed_tokens -> layers -> norm, the children (and nothing else with weights) a decoder LM without a
     declared pp plan may have; refused in one line otherwise."""
     base = getattr(model, getattr(model, "base_model_prefix", ""), None)
@@ -70,7 +95,7 @@ def _standard_plan(model: nn.Module) -> tuple[str, str, str]:
             "declares no base_model_pp_plan and is not embed_tokens -> layers -> norm; register a layout for it "
             "(pp_tp.extend.register_layout)",
         )
-    return "embed_tokens", "layers", "norm"
+    return _PpPlan("embed_tokens", (), "layers", (), "norm")
 
 
 def _module_name(model: nn.Module, module: nn.Module | None, what: str) -> str:
@@ -168,6 +193,20 @@ def _no_cache(mask_fn: Any) -> dict[str, None]:
     return {"cache": None} if "cache" in _params(mask_fn) else {"past_key_values": None}
 
 
+def _kernel_dropout(model: nn.Module) -> str | None:
+    """Attention dropout inside a kernel other than eager or SDPA (which draw from torch's default generator, whose
+    state pp_tp forks per TP rank): pp_tp cannot tell where its masks come from, so it refuses it on sharded heads."""
+    impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    rate = getattr(model.config, "attention_dropout", 0.0) or 0.0
+    if impl in ("eager", "sdpa") or not rate:
+        return None
+    return (
+        f"model {type(model).__name__}: attention_dropout = {rate} inside the {impl!r} attention kernel on TP-sharded "
+        "heads, whose masks pp_tp cannot place per TP rank; set parallel.tp = 1, attention_dropout = 0 or "
+        'attn_implementation = "sdpa"'
+    )
+
+
 def specialize(model: nn.Module) -> ModelLayout:
     """This model's layout, proven equal to its own forward on a small copy (self_check); refused in one
     line where it cannot be."""
@@ -184,13 +223,14 @@ def compose(model: nn.Module) -> ModelLayout:
             "output_router_logits = true adds the router's auxiliary loss outside the logits; "
             "set it to false in the model config",
         )
-    embed_key, blocks_key, norm_key = _pp_plan(model)
     prefix = model.base_model_prefix
     base = model.get_submodule(prefix)
+    pp_plan = _pp_plan(model, base)
+    embed_key, blocks_key, norm_key = pp_plan.embed, pp_plan.blocks, pp_plan.norm
     if base.get_submodule(embed_key) is not model.get_input_embeddings():
         raise _refuse(model, f"{prefix}.{embed_key} is not get_input_embeddings(); register a layout for it")
     head = _module_name(model, model.get_output_embeddings(), "output embedding")
-    plan = {embed_key, blocks_key, norm_key}
+    plan = {embed_key, blocks_key, norm_key, *pp_plan.after_embed, *pp_plan.before_norm}
     extra = [name for name, child in base.named_children() if name not in plan]
     weighted = [name for name in extra if any(True for _ in base.get_submodule(name).parameters())]
     if weighted:
@@ -208,6 +248,7 @@ def compose(model: nn.Module) -> ModelLayout:
     names = {n for b in blocks for n, _ in b.named_modules() if n}
     tp_plan = {rule: style for rule, style in tp_plan.items() if any(matches_rule(rule, n) for n in names)}
     experts, experts_tp = block_experts(model, blocks_key)
+    tp_refusal = tp_refusal or _kernel_dropout(model)
     return dataclasses.replace(
         HF,
         specialize=None,
@@ -227,6 +268,8 @@ def compose(model: nn.Module) -> ModelLayout:
         after_embed=after_embed(model.config),
         after_head=after_head(model.config),
         static_block_inputs=True,  # masks and rotary tables from the microbatch's shape only (no padding mask)
+        after_embed_modules=tuple(f"{prefix}.{name}" for name in pp_plan.after_embed),
+        before_norm_modules=tuple(f"{prefix}.{name}" for name in pp_plan.before_norm),
     )
 
 
