@@ -74,8 +74,8 @@ def build_pipeline(
 
     def local_build() -> tuple[ParallelConfig, FsdpPolicy, Preflight, list[StageModule], SumLoss | None]:
         """Every check and this rank's stages, with no communication; ranks agree on the outcome below."""
-        resolved = resolve_parallel(pcfg, dist.get_world_size())
-        checked = preflight(model, resolved, mesh.device_type, seq_len, custom_loss=loss_fn is not None)
+        checked = preflight(model, resolve_parallel(pcfg, dist.get_world_size()), mesh.device_type, seq_len,
+                            custom_loss=loss_fn is not None)  # fmt: skip
         resolved, fsdp = checked.parallel, FsdpPolicy.for_rank(checked.parallel, pp_rank)
         loss = SumLoss(loss_fn, loss_normalizer) if loss_fn is not None else None
         source = open_checked(checkpoint, model) if checkpoint else None
@@ -87,14 +87,7 @@ def build_pipeline(
     pcfg, fsdp, checked, stages, loss = agreed(local_build)  # one verdict: every rank refuses together, or none does
     plan = checked.plan
     built = BuiltStages(
-        stages,
-        plan,
-        mesh,
-        pcfg,
-        fsdp,
-        device,
-        _shapes(checked, pcfg, skeleton),
-        grad_factor(pcfg),
+        stages, plan, mesh, pcfg, fsdp, device, _shapes(checked, pcfg, skeleton), grad_factor(pcfg),
         loss=loss,
         tp_loss_mesh=mesh["tp"] if pcfg.loss_parallel and pcfg.tp > 1 else None,
         tied=TiedWeights(tied, plan, mesh) if tied else None,
@@ -102,5 +95,5 @@ def build_pipeline(
         source_dir=source_dir if source_dir is not None else checkpoint,
         checkpoint_casts=casts,
         rng_seed=seed if rng_seed is None else rng_seed,
-    )
+    )  # fmt: skip
     return Pipeline(built)

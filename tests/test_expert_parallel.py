@@ -77,6 +77,7 @@ def _alltoall_case(kw: dict) -> dict:
     with CommLedger() as led:
         pipe.step(ids[share], labels[share])
     out = {"layers": layers, "microbatches": pcfg.microbatches, "first": pipe.has_first_stage}
+    out["last"] = pipe.has_last_stage
     if pcfg.ep > 1:
         out["all_to_all"] = led.counts(group=mesh.get_group("ep")).get("all_to_all", 0)
         out["ep_all_gather"] = led.counts(group=mesh.get_group("ep")).get("all_gather", 0)
@@ -95,11 +96,11 @@ def test_two_all_to_alls_each_way_per_moe_layer_and_microbatch(world):
 
 def test_tp_experts_one_all_reduce_each_way_per_moe_layer_and_microbatch(world):
     """TP of experts at Megatron's minimum (1 forward + 1 backward per MoE layer and microbatch), beside the
-    attention's 1 + 1 (tiny Mixtral: no shared experts) and the vocabulary-parallel embedding's 1 forward."""
+    attention's 1 + 1 (tiny Mixtral: no shared experts), the vocabulary-parallel embedding's 1 forward and the
+    column-parallel head's 1 backward (its replicated input's gradient), per microbatch."""
     for r in world(4).run(_alltoall_case, dict(pp=2, microbatches=2, **TP)):
-        calls = r["layers"] * r["microbatches"]
-        embedding = r["microbatches"] if r["first"] else 0
-        assert r["tp_all_reduce"] == 2 * calls + 2 * calls + embedding, r
+        calls, edges = r["layers"] * r["microbatches"], r["microbatches"] * (r["first"] + r["last"])
+        assert r["tp_all_reduce"] == 2 * calls + 2 * calls + edges, r
 
 
 # --- refusals, one line each, before any collective -------------------------------------------------------

@@ -25,8 +25,7 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> JobConfig:
     parallel = resolve_parallel(cfg.parallel, world_size)
     model = checked("model", cfg.model)
     check_moe(model)
-    check_fields_job(cfg)
-    return JobConfig(
+    job = JobConfig(
         model=model,
         parallel=parallel,
         training=_check_training(cfg.training, parallel),
@@ -34,6 +33,8 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> JobConfig:
         checkpoint=checked("checkpoint", cfg.checkpoint),
         validation=check_validation(checked("validation", cfg.validation), cfg.data),
     )
+    check_fields_job(job)  # across sections, on type-checked values
+    return job
 
 
 def resolve_parallel(pcfg: ParallelConfig, world_size: int | None = None) -> ParallelConfig:

@@ -244,7 +244,9 @@ def check_tp_plan(model: nn.Module, layout: ModelLayout, pcfg: ParallelConfig) -
         raise ConfigError(layout.tp_refusal)
     unsharded: set[str] = set()
     blocks = list(model.get_submodule(layout.blocks).named_children())
-    used = {rule for _, block in blocks for rule in block_plan(block, layout)}
+    where = {key: f"block {layout.blocks}.{key} ({type(block).__name__})" for key, block in blocks}
+    plans = {key: block_plan(block, layout, where[key]) for key, block in blocks}
+    used = {rule for plan in plans.values() for rule in plan}
     unused = [rule for rule in layout.tp_plan if rule not in used and layout.tp_plan[rule] not in _INPUT_STYLES]
     if unused:
         raise ConfigError(
@@ -252,9 +254,8 @@ def check_tp_plan(model: nn.Module, layout: ModelLayout, pcfg: ParallelConfig) -
             "fix the rule in the model layout's tp_plan"
         )
     for key, block in blocks:
-        where = f"block {layout.blocks}.{key} ({type(block).__name__})"
-        report = verify(block, block_plan(block, layout, where))
-        _refuse_unmatched(report, where)
+        report = verify(block, plans[key])
+        _refuse_unmatched(report, where[key])
         if report.unplanned_params:
             raise ConfigError(
                 f"tensor-parallel plan of block {layout.blocks}.{key} ({type(block).__name__}): parameter "
