@@ -74,7 +74,7 @@ def run(config: str, overrides: list[str]) -> list[dict[str, float]]:
 
     with _timed(spent) as wrap:
         wrap(trainer.pp_tp.Pipeline, "step", "Pipeline.step")
-        wrap(trainer.ShardedBatches, "next", "data")
+        wrap(trainer.Prefetcher, "next", "data")
         wrap(torch.optim.Optimizer, "zero_grad", "zero_grad")
         wrap(trainer, "clip_grad_norm_", "clip")
         wrap(torch.optim.AdamW, "step", "optimizer")

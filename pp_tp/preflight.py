@@ -13,7 +13,7 @@ from torch import nn
 
 from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
-from pp_tp.layout import ModelDims, ModelLayout, layout_for
+from pp_tp.layout import ModelDims, ModelLayout, check_document_mask, layout_for
 from pp_tp.parallel.float8 import check_float8
 from pp_tp.parallel.tensor_parallel import check_tp_plan
 from pp_tp.split.plan import StagePlan, plan_stages
@@ -66,9 +66,14 @@ def check_tied(pcfg: ParallelConfig, d: ModelDims) -> None:
         )
 
 
-def preflight(model: nn.Module, pcfg: ParallelConfig, device_type: str, seq_len: int | None = None) -> Preflight:
-    """All model-dependent refusals for `model` under a resolved `pcfg`, in one order; no communication."""
+def preflight(
+    model: nn.Module, pcfg: ParallelConfig, device_type: str, seq_len: int | None = None, document_mask: bool = False
+) -> Preflight:
+    """All model-dependent refusals for `model` under a resolved `pcfg`, in one order; no communication.
+    `document_mask`: the job packs documents (`data.document_mask`), so the layout must mask them."""
     layout = layout_for(model)
+    if document_mask:
+        check_document_mask(layout)
     d = layout.dims(model)
     check_model_shape(pcfg, d)
     if seq_len is not None:

@@ -13,7 +13,7 @@ from pp_tp.config import JobConfig, load_config, validate
 from pp_tp.mesh import device_type
 from pp_tp.models.factory import build_model, resolve_model_config
 from pp_tp.preflight import Preflight, preflight
-from pp_tp.train.data import make_source
+from pp_tp.train.sources import make_source
 
 
 def check_job(cfg: JobConfig, world_size: int | None = None, data: bool = True) -> tuple[JobConfig, Preflight]:
@@ -21,7 +21,8 @@ def check_job(cfg: JobConfig, world_size: int | None = None, data: bool = True) 
 
     `data`: also open the training data source (`pp-tp parity` feeds its own random batches)."""
     cfg = validate(dataclasses.replace(cfg, model=resolve_model_config(cfg.model)), world_size)
-    checked = preflight(build_model(cfg.model, "meta"), cfg.parallel, device_type(), cfg.training.seq_len)
+    model = build_model(cfg.model, "meta")
+    checked = preflight(model, cfg.parallel, device_type(), cfg.training.seq_len, cfg.data.document_mask)
     if data:
         make_source(cfg)  # the data source opens and fits the model
     return cfg, checked

@@ -25,6 +25,7 @@ from pp_tp.config import ParallelConfig
 from pp_tp.config.fsdp_policy import FsdpPolicy
 from pp_tp.errors import ConfigError
 from pp_tp.hf_checkpoint import save_pretrained
+from pp_tp.layout import check_document_mask
 from pp_tp.parallel.tensor_parallel import reduce_partial_grads
 from pp_tp.runtime.evaluate import forward_only, grad_state
 from pp_tp.runtime.grad_reduce import ReducingStage
@@ -202,8 +203,27 @@ class Pipeline:
             dist.all_reduce(total, group=g)
         return total[0].float()
 
-    def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """One forward/backward over this DP rank's batch; returns the global mean token loss on every rank."""
+    def _position_kwargs(self, where: str, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> dict:
+        """The schedule's keyword inputs: per-token position ids (split into microbatches by torch, handed to
+        every stage's forward), when the batch packs documents."""
+        if position_ids is None:
+            return {}
+        check_document_mask(self.model_parts[0].layout)
+        if position_ids.shape != input_ids.shape:
+            raise ConfigError(
+                f"{where}: position_ids {tuple(position_ids.shape)} must have the shape of input_ids "
+                f"{tuple(input_ids.shape)}"
+            )
+        return {"position_ids": position_ids.to(self.device)}
+
+    def step(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One forward/backward over this DP rank's batch; returns the global mean token loss on every rank.
+
+        `position_ids` ([batch, seq], restarting at 0 at every packed document) keep each token's attention and
+        positions inside its own document; the model's layout must offer `document_block_inputs`."""
+        kwargs = self._position_kwargs("Pipeline.step", input_ids, position_ids)
         input_ids, labels, n_tokens = self.prepare_batch("Pipeline.step", input_ids, labels)
         self._loss.scale = self._grad_factor / max(n_tokens, 1)
         losses: list[torch.Tensor] = []
@@ -213,7 +233,7 @@ class Pipeline:
             ctx.enter_context(self._loss.parallel())  # torch wants the vocab-parallel loss's backward inside it too
             for stage in self.model_parts:  # masks and rotary tables once per step, not once per microbatch
                 ctx.enter_context(stage.reuse_block_inputs())
-            self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         reduce_partial_grads(self.model_parts)  # once per step, after the last microbatch
         if self._tied is not None:
             self._tied.sync(self.model_parts)
@@ -224,9 +244,12 @@ class Pipeline:
         save_pretrained(self.model_parts, self.mesh, path, self.hf_config, self.source_dir, max_shard_size, dtype)
 
     @torch.no_grad()
-    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def evaluate(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Forward-only global mean token loss of this DP rank's batch share (validation); every rank calls it, and
-        no gradient is created or changed (checked)."""
+        no gradient is created or changed (checked). `position_ids` as in `step`."""
+        kwargs = self._position_kwargs("Pipeline.evaluate", input_ids, position_ids)
         input_ids, labels, n_tokens = self.prepare_batch("Pipeline.evaluate", input_ids, labels)
         before = grad_state(self.model_parts)
         scale = self._loss.scale
@@ -239,7 +262,7 @@ class Pipeline:
         try:
             with self._loss.parallel(), forward_only(self.schedule):
                 self.schedule.eval(*args, target=labels if self.has_last_stage else None, losses=losses,
-                                   return_outputs=False)  # fmt: skip
+                                   return_outputs=False, **kwargs)  # fmt: skip
         finally:
             self._loss.scale = scale
             for p, g in grads:

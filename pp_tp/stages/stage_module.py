@@ -108,7 +108,9 @@ class StageModule(nn.Module):
             cache[key] = extras
         return cache[key]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`position_ids` [microbatch, seq] (every stage gets them from the schedule): positions restarting at each
+        packed document, with attention kept inside it; None: one sequence per row."""
         lay = self.layout
         if self.is_first:
             h = self.get_submodule(lay.embed)(x)
@@ -116,7 +118,7 @@ class StageModule(nn.Module):
         else:
             h = x
         if self.spec.blocks:
-            extras = self._block_inputs(h)
+            extras = self._block_inputs(h) if position_ids is None else lay.document_block_inputs(self, h, position_ids)
             for block in self.blocks():
                 h = lay.call_block(block, h, extras)
         if self.is_last:

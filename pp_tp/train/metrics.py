@@ -88,7 +88,8 @@ class MetricsLogger:
     ) -> dict:
         """The step's row (returned on every rank); printed and written on log steps by the writer rank.
 
-        `extra`: more figures for the row (val_loss, skipped_steps); with `total_steps`, an ETA too."""
+        `extra`: more figures for the row (val_loss, skipped_steps, data_s: the step's wait for its batch); with
+        `total_steps`, an ETA too."""
         tps = tokens / step_time_s
         row = {
             "step": step,
@@ -108,6 +109,7 @@ class MetricsLogger:
             mfu = f" | mfu {100 * row['mfu']:.1f}%" if "mfu" in row else ""
             mfu += f" | val_loss {row['val_loss']:.4f}" if "val_loss" in row else ""
             mfu += f" | skipped {row['skipped_steps']}" if row.get("skipped_steps") else ""
+            mfu += f" | data {1000 * row['data_s']:.1f} ms" if "data_s" in row else ""
             mfu += f" | {step}/{self.total_steps} eta {_hms(row['eta_s'])}" if "eta_s" in row else ""
             print(
                 f"step {step:>6} | loss {loss:.4f} | grad_norm {grad_norm:.3f} | lr {lr:.2e} | "

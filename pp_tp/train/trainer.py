@@ -31,10 +31,11 @@ from pp_tp.planner import resolve_auto
 from pp_tp.split import cost
 from pp_tp.train import run_report
 from pp_tp.train.checkpoint import Checkpointer, latest_checkpoint
-from pp_tp.train.data import ShardedBatches, make_source
 from pp_tp.train.liveness import PeerWatch
 from pp_tp.train.metrics import MetricsLogger, peak_flops
 from pp_tp.train.nonfinite import NonFiniteError, NonFiniteGuard, describe, is_finite
+from pp_tp.train.prefetch import Prefetcher
+from pp_tp.train.sources import make_source
 from pp_tp.train.validation import Validator
 
 
@@ -131,7 +132,7 @@ class Trainer:
             model, self.mesh, self.cfg.parallel, seed=self.cfg.model.seed, seq_len=t.seq_len, checkpoint=hf_dir,
             source_dir=self.cfg.model.hf_path or None,  # save_pretrained keeps its generation_config.json
         )  # fmt: skip
-        self.loader = ShardedBatches(self.source, t.batch_size, dp_rank(self.mesh), dp_size(self.mesh), seed=t.seed)
+        self.loader = Prefetcher(self.source.loader(dp_rank(self.mesh), dp_size(self.mesh)), self.cfg.data.prefetch)
         self.optimizers, self.schedulers = build_optimizers(self.pipe.model_parts, t)
         parts = self.pipe.model_parts
         self.checkpointer = Checkpointer(self.cfg.checkpoint, parts, self.optimizers, self.schedulers, self.loader)
@@ -159,6 +160,7 @@ class Trainer:
                     rows.append(self._train_step())
         finally:
             watch.stop()
+            self.loader.stop()
         return rows
 
     def _train_step(self) -> dict:
@@ -169,7 +171,7 @@ class Trainer:
         loss, grad_norm, lr, stepped = self._optimizer_step()
         elapsed = time.perf_counter() - start
         self.skipped += not stepped
-        extra = {"skipped_steps": self.skipped}
+        extra = {"skipped_steps": self.skipped, "data_s": self.loader.wait_s}
         if self.validator.due(step, last):
             extra["val_loss"] = self.validator.run(self.pipe, self.mesh)
         row = self.metrics.log(step, last, loss, grad_norm, lr, t.batch_size * t.seq_len, elapsed, extra)
@@ -180,11 +182,11 @@ class Trainer:
         """Forward/backward, clip, and the optimizer step unless the loss or grad norm is non-finite (then stop,
         or skip with training.skip_nonfinite). Returns (loss, grad_norm, lr, stepped)."""
         t = self.cfg.training
-        ids, labels = self.loader.next()
+        batch = self.loader.next()
         for opt in self.optimizers:
             opt.zero_grad()
         self.guard.begin_step()
-        loss = float(self.pipe.step(ids, labels))
+        loss = float(self.pipe.step(*batch))
         grad_norm = float(clip_grad_norm_(self.pipe.model_parts, t.max_norm, self.mesh))
         lr = self.schedulers[0].get_last_lr()[0]
         if not is_finite(loss, grad_norm):  # loss and norm are global: every rank takes this branch together

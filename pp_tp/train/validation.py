@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from pp_tp.config import JobConfig
 from pp_tp.mesh import dp_rank, dp_size
 from pp_tp.runtime.pipeline import Pipeline
-from pp_tp.train.data import ShardedBatches
+from pp_tp.train.loader import ShardedBatches
 from pp_tp.train.text_tokens import TokenWindows, validation_windows
 
 
@@ -27,6 +27,6 @@ class Validator:
     def run(self, pipe: Pipeline, mesh: DeviceMesh) -> float:
         """The mean of the held-out batches' global mean token losses; every rank calls it."""
         t = self.cfg.training
-        batches = ShardedBatches(self.windows, t.batch_size, dp_rank(mesh), dp_size(mesh), seed=t.seed)
+        batches = ShardedBatches([self.windows], t.batch_size, dp_rank(mesh), dp_size(mesh), seed=t.seed)
         losses = [float(pipe.evaluate(*batches.next())) for _ in range(self.cfg.validation.steps)]
         return sum(losses) / len(losses)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from pp_tp.layout import ModelDims, ModelLayout
-from pp_tp.models.reference.model import Transformer, param_init_std, rope_cache
+from pp_tp.models.reference.model import Transformer, document_mask, param_init_std, rope_cache
 
 
 def _dims(model: Transformer) -> ModelDims:
@@ -48,4 +48,5 @@ REFERENCE = ModelLayout(
     qk_norms=("attention.q_norm", "attention.k_norm"),
     init_std=param_init_std,
     static_block_inputs=True,  # the rotary table only
+    document_block_inputs=lambda stage, h, pos: (stage.rope[pos], document_mask(pos)),
 )
