@@ -17,6 +17,10 @@ from pp_tp.train.text_tokens import eos_id, fitting_tokenizer
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 
 
+def _empty(what: str) -> ConfigError:
+    return ConfigError(f"{what} holds no documents; give files with at least one row")
+
+
 def _open_table(files: list[str], what: str):  # -> datasets.Dataset
     import datasets
 
@@ -37,6 +41,8 @@ def _open_table(files: list[str], what: str):  # -> datasets.Dataset
                 )
             table = table["train"]
         return table
+    if all(os.path.getsize(f) == 0 for f in files):
+        raise _empty(what)
     kinds = {_BUILDERS.get(os.path.splitext(f)[1]) for f in files}
     if None in kinds or len(kinds) != 1:
         raise ConfigError(
@@ -65,7 +71,7 @@ class DatasetDocuments:
         self.text_field = text_field
         self.num_docs = len(self.column)
         if self.num_docs == 0:
-            raise ConfigError(f"{what} holds no documents; give files with at least one row")
+            raise _empty(what)
 
     def tokens(self, index: int) -> list[int]:
         text = self.column[index][self.text_field] or ""
