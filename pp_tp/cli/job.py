@@ -14,6 +14,7 @@ from pp_tp.mesh import device_type
 from pp_tp.models.factory import build_model, resolve_model_config
 from pp_tp.preflight import Preflight, preflight
 from pp_tp.train.sources import make_source
+from pp_tp.train.tensorboard import check_tensorboard
 
 
 def check_job(cfg: JobConfig, world_size: int | None = None, data: bool = True) -> tuple[JobConfig, Preflight]:
@@ -25,6 +26,7 @@ def check_job(cfg: JobConfig, world_size: int | None = None, data: bool = True) 
     checked = preflight(model, cfg.parallel, device_type(), cfg.training.seq_len, cfg.data.document_mask)
     if data:
         make_source(cfg)  # the data source opens and fits the model
+    check_tensorboard(cfg.training.tensorboard_dir)
     return cfg, checked
 
 

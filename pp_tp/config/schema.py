@@ -104,6 +104,7 @@ class TrainingConfig:
     seed: int = 0
     log_every: int = 1
     metrics_file: str = ""
+    tensorboard_dir: str = ""  # TensorBoard scalars of the logged rows ("" = none); needs the tensorboard package
     comm_timeout_s: float = 300.0
     skip_nonfinite: bool = False  # a non-finite loss or grad norm skips the step (counted) instead of stopping
 

@@ -1,4 +1,5 @@
-"""Per-step training metrics: one line on rank 0's stdout and one JSON object per line in `training.metrics_file`.
+"""Per-step training metrics: one line on rank 0's stdout and one JSON object per line in `training.metrics_file`
+(and TensorBoard scalars in `training.tensorboard_dir`).
 
 MFU needs the device's peak FLOPs, which torch does not expose: a small table of dense bf16 peaks for known
 accelerators (vendor datasheets) stands in. On CPU, or in fp32, MFU is left out rather than guessed.
@@ -11,6 +12,8 @@ import os
 import resource
 
 import torch
+
+from pp_tp.train.tensorboard import TensorBoard
 
 # Dense (not sparse) bf16 tensor-core peaks, FLOP/s per device; longer names are matched first.
 PEAK_BF16_FLOPS = {
@@ -56,8 +59,10 @@ class MetricsLogger:
         world_size: int,
         device_peak_flops: float | None,
         total_steps: int = 0,
+        tensorboard_dir: str = "",
     ):
         self.path, self.log_every, self.writer = path, log_every, writer
+        self.tensorboard = TensorBoard(tensorboard_dir) if writer and tensorboard_dir else None
         self.total_steps, self._times = total_steps, []
         self.flops_per_token, self.world_size, self.peak = flops_per_token, world_size, device_peak_flops
         if writer and path and os.path.dirname(path):
@@ -119,4 +124,6 @@ class MetricsLogger:
             if self.path:
                 with open(self.path, "a") as f:
                     f.write(json.dumps(row) + "\n")
+            if self.tensorboard is not None:
+                self.tensorboard.write(row)
         return row

@@ -36,6 +36,7 @@ from pp_tp.train.metrics import MetricsLogger, peak_flops
 from pp_tp.train.nonfinite import NonFiniteError, NonFiniteGuard, describe, is_finite
 from pp_tp.train.prefetch import Prefetcher
 from pp_tp.train.sources import make_source
+from pp_tp.train.tensorboard import check_tensorboard
 from pp_tp.train.validation import Validator
 
 
@@ -86,8 +87,9 @@ def _metrics(cfg: JobConfig, dims: ModelDims, mesh: DeviceMesh) -> MetricsLogger
         else None
     )
     return MetricsLogger(
-        t.metrics_file, t.log_every, dist.get_rank() == 0, flops, dist.get_world_size(), device_peak, t.steps
-    )
+        t.metrics_file, t.log_every, dist.get_rank() == 0, flops, dist.get_world_size(), device_peak, t.steps,
+        t.tensorboard_dir,
+    )  # fmt: skip
 
 
 def _resume(ckpt: Checkpointer, resume: str | None, cfg: JobConfig) -> int:
@@ -117,6 +119,7 @@ class Trainer:
 
     def __init__(self, cfg: JobConfig):
         self.source = make_source(cfg)
+        check_tensorboard(cfg.training.tensorboard_dir)
         self.validator = Validator(cfg)  # held-out text checked here, before any collective
         self.cfg, self.auto_line = resolve_auto(cfg)  # "auto" FSDP policies, before the process group
         self.plan = run_report.dry_run(self.cfg)
