@@ -200,3 +200,14 @@ def test_bad_data_is_one_line_from_pp_tp_check(tmp_path, case, data, fragment):
     with pytest.raises(ConfigError, match=fragment) as e:
         check_job(config_from_dict(d, world_size=4), world_size=4)
     assert "\n" not in str(e.value)
+
+
+def test_shipped_corpus_is_the_generator_output():
+    import glob
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_corpus", f"{REPO}/tools/make_corpus.py")
+    make_corpus = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_corpus)
+    files = sorted(glob.glob(f"{REPO}/examples/corpus/*.jsonl"))
+    assert [open(f).readlines() for f in files] == make_corpus.shard_rows(1200, 2)
