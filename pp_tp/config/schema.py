@@ -124,7 +124,6 @@ class DataConfig:
     dtype: str = "uint16"  # a .bin token file's element type (.npy files carry their own)
     eos_id: int | None = None  # tokens: the id that ends a document (needed by document_mask)
     text_field: str = "text"  # dataset: the column holding each document's text
-    streaming: bool = False  # dataset: read the files in order, without opening an index first
     document_mask: bool = False
     prefetch: int = 2  # batches a background thread prepares ahead of the step (0: inline)
 

@@ -53,8 +53,6 @@ def check_data(d: DataConfig) -> DataConfig:
         )
     if d.source == "dataset" and not d.tokenizer:
         raise ConfigError('data.source = "dataset" tokenizes text: set data.tokenizer to a tokenizer directory')
-    if d.streaming and d.source != "dataset":
-        raise ConfigError(f'data.streaming = true is for data.source = "dataset" (it is {d.source!r}); remove it')
     if d.eos_id is not None and d.source != "tokens":
         raise ConfigError(
             f'data.eos_id is for data.source = "tokens" (it is {d.source!r}); a tokenizer names its own EOS: remove it'
