@@ -22,10 +22,11 @@ from pp_tp.config import load_config
 
 
 def run(config: str, overrides: list[str]) -> list[dict]:
-    """One training run on this rank; its metrics rows."""
+    """One training run on this rank (the config read as `pp-tp train` reads it); its metrics rows."""
+    from pp_tp.cli.job import load_job
     from pp_tp.train.trainer import train
 
-    return train(load_config(config, overrides))
+    return train(load_job(argparse.Namespace(config=config, overrides=overrides, world_size=None)))
 
 
 def main() -> None:

@@ -52,25 +52,18 @@ def _one_process(d: dict, steps: int) -> list[torch.Tensor]:
     return [loader.next().input_ids for _ in range(steps)]
 
 
+def _job(steps: int, **data) -> dict:
+    """A pp2 x dp2 job of the reference model at the tokenizer's vocabulary, packing documents with masks."""
+    model = {"vocab_size": 512, "max_seq_len": 64}
+    return job(model=model, parallel=PP2_DP2, training={"steps": steps}, data={**data, "document_mask": True})
+
+
 def test_token_mixture_and_packed_dataset_train_on_the_global_order_and_resume_at_another_layout(tmp_path, world):
     gen = torch.Generator().manual_seed(0)
     files = [
         _write_bin(tmp_path / f"t{i}.bin", torch.randint(0, 512, (3000 + 2000 * i,), generator=gen)) for i in (0, 1)
     ]
-    model = {"vocab_size": 512, "max_seq_len": 64}
-    tokens = job(
-        model=model,
-        parallel=PP2_DP2,
-        training={"steps": 2},
-        data={
-            "source": "tokens",
-            "path": "",
-            "paths": files,
-            "weights": [1.0, 2.0],
-            "eos_id": 7,
-            "document_mask": True,
-        },
-    )
+    tokens = _job(2, source="tokens", path="", paths=files, weights=[1.0, 2.0], eos_id=7)
     got = _global(world(4).run(ids_case, tokens), 2)
     assert all(torch.equal(got[s + 1], want) for s, want in enumerate(_one_process(tokens, 2)))
 
@@ -78,18 +71,8 @@ def test_token_mixture_and_packed_dataset_train_on_the_global_order_and_resume_a
 
     datasets.Dataset.from_dict({"text": _docs(200)}).to_parquet(str(tmp_path / "docs.parquet"))
     folder = str(tmp_path / "run")
-    packed = job(
-        model=model,
-        parallel=PP2_DP2,
-        training={"steps": 4},
-        data={
-            "source": "dataset",
-            "path": str(tmp_path / "docs.parquet"),
-            "tokenizer": TOKENIZER,
-            "document_mask": True,
-        },
-        checkpoint={"enable": True, "folder": folder, "interval": 2, "keep": 2},
-    )
+    packed = _job(4, source="dataset", path=str(tmp_path / "docs.parquet"), tokenizer=TOKENIZER)
+    packed["checkpoint"] = {"enable": True, "folder": folder, "interval": 2, "keep": 2}
     full = _global(world(4).run(ids_case, packed), 2)
     assert all(torch.equal(full[s + 1], want) for s, want in enumerate(_one_process(packed, 4)))
     copy = str(tmp_path / "resume")

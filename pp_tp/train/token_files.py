@@ -41,9 +41,12 @@ def open_tokens(path: str, dtype: str) -> np.ndarray:
 
 
 def check_ids(arr: np.ndarray, path: str, vocab_size: int) -> None:
-    """Every id below `vocab_size`, scanned in chunks."""
+    """Every id in [0, vocab_size), scanned in chunks."""
     for start in range(0, len(arr), _SCAN):
-        top = int(arr[start : start + _SCAN].max())
+        chunk = arr[start : start + _SCAN]
+        if arr.dtype.kind == "i" and int(chunk.min()) < 0:
+            raise ConfigError(f"token file {path!r} holds a negative token id ({int(chunk.min())}); fix the file")
+        top = int(chunk.max())
         if top >= vocab_size:
             raise ConfigError(
                 f"token file {path!r} holds token id {top} >= model.vocab_size = {vocab_size}; use a model with "
