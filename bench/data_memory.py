@@ -5,8 +5,9 @@
 
 For each size, a fresh process opens `data.source = "tokens"` (the id check scans the whole file), takes DP
 rank 1 of 2's loader and reads 50 batches of 16 x 1024 tokens. It prints the process's anonymous resident
-memory (`RssAnon`: what the rank itself holds) and the file pages mapped in (`RssFile`: page cache of the
-memory map, shared and reclaimable), from /proc/self/status, before and after.
+memory (`RssAnon`: what the rank itself holds) and its mapped file pages (`RssFile`: torch's libraries, then
+the pages of the windows read through the memory map, with the kernel's read-ahead: shared page cache, not the
+rank's), from /proc/self/status, before and after.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def measure(path: str) -> str:
     from pp_tp.config import config_from_dict
     from pp_tp.train.sources import make_source
 
-    before = _status("RssAnon")
+    before = _status("RssAnon"), _status("RssFile")
     d = {
         "model": {"vocab_size": 50_000, "max_seq_len": 1024, "dim": 32, "n_heads": 4, "ffn_dim": 64},
         "parallel": {"pp": 1, "dp_shard": 2},
@@ -44,14 +45,15 @@ def measure(path: str) -> str:
     loader = make_source(config_from_dict(d, world_size=2)).loader(1, 2)
     for _ in range(50):
         loader.next()
-    return f"{before:.3f} {_status('RssAnon'):.3f} {_status('RssFile'):.3f} {_status('VmHWM'):.3f}"
+    after = _status("RssAnon"), _status("RssFile"), _status("VmHWM")
+    return " ".join(f"{x:.3f}" for x in (before[0], after[0], before[1], after[1], after[2]))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, nargs="+", default=[0.4, 4.0])
     a = parser.parse_args()
-    rows = [("corpus GiB", "RssAnon before", "RssAnon after", "RssFile after", "VmHWM")]
+    rows = [("corpus GiB", "RssAnon before", "RssAnon after", "RssFile before", "RssFile after", "VmHWM")]
     with tempfile.TemporaryDirectory() as tmp:
         for gib in a.gib:
             path = os.path.join(tmp, f"{gib}.bin")
@@ -64,7 +66,7 @@ def main() -> None:
             code = f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import data_memory as m; "
             out = subprocess.run(
                 [sys.executable, "-c", code + f"print(m.measure({path!r}))"], check=True, capture_output=True, text=True
-            ).stdout.split()[-4:]
+            ).stdout.split()[-5:]
             rows.append((f"{os.path.getsize(path) / 2**30:.2f}", *out))
             os.remove(path)
     print("GiB per process (one DP rank's loader, 50 batches of 16 x 1024 tokens)")
