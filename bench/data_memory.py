@@ -5,9 +5,8 @@
 
 For each size, a fresh process opens `data.source = "tokens"` (the id check scans the whole file), takes DP
 rank 1 of 2's loader and reads 50 batches of 16 x 1024 tokens. It prints the process's anonymous resident
-memory (`RssAnon`: what the rank itself holds) and its mapped file pages (`RssFile`: torch's libraries, then
-the pages of the windows read through the memory map, with the kernel's read-ahead: shared page cache, not the
-rank's), from /proc/self/status, before and after.
+memory (`RssAnon`: what the rank itself holds), its mapped file pages (`RssFile`: torch's libraries; a window's
+pages of the memory map are released once copied out) and its peak resident set (`VmHWM`), from /proc/self/status.
 """
 
 from __future__ import annotations
