@@ -16,7 +16,7 @@ import os
 import statistics
 import tempfile
 
-from common import World, table
+from common import World, table, training_args
 
 from pp_tp.config import load_config
 
@@ -30,12 +30,7 @@ def run(config: str, overrides: list[str]) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="toml_configs/corpus_cpu.toml")
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--skip", type=int, default=5, help="warm-up steps left out")
-    parser.add_argument("overrides", nargs="*", help="section.key=value, as for pp-tp train")
-    a = parser.parse_args()
+    a = training_args(__doc__, "toml_configs/corpus_cpu.toml", 40, 5)
     tmp = tempfile.mkdtemp()
     base = [*a.overrides, f"training.steps={a.steps}", "checkpoint.enable=false", 'training.tensorboard_dir=""']
     world = World(load_config(a.config, base).parallel.world_size)
