@@ -6,6 +6,7 @@ benchmark runs all its variants in one set of processes instead of paying a star
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from collections.abc import Sequence
@@ -21,7 +22,7 @@ import pp_tp  # noqa: E402
 from pp_tp.models.reference.model import ModelArgs, Transformer  # noqa: E402
 from pp_tp.schedules.registry import default_stages_per_rank  # noqa: E402
 
-__all__ = ["World", "batch", "default_stages_per_rank", "table"]
+__all__ = ["World", "batch", "default_stages_per_rank", "table", "training_args"]
 
 
 def batch(args: ModelArgs, rows: int, seq: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,6 +32,16 @@ def batch(args: ModelArgs, rows: int, seq: int, seed: int = 1) -> tuple[torch.Te
         torch.randint(0, args.vocab_size, (rows, seq), generator=gen),
         torch.randint(0, args.vocab_size, (rows, seq), generator=gen),
     )
+
+
+def training_args(doc: str, config: str, steps: int, skip: int) -> argparse.Namespace:
+    """--config, --steps, --skip and trailing overrides: the scripts that run the trainer."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--config", default=config)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--skip", type=int, default=skip, help="warm-up steps left out")
+    parser.add_argument("overrides", nargs="*", help="section.key=value, as for pp-tp train")
+    return parser.parse_args()
 
 
 def table(rows: Sequence[Sequence[Any]]) -> str:

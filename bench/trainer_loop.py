@@ -14,7 +14,6 @@ Shares are medians over the steps after the first `--skip` ones, per rank.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import statistics
@@ -25,7 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from common import World, table
+from common import World, table, training_args
 
 import pp_tp.train.trainer as trainer
 from pp_tp.config import load_config
@@ -74,7 +73,7 @@ def run(config: str, overrides: list[str]) -> list[dict[str, float]]:
 
     with _timed(spent) as wrap:
         wrap(trainer.pp_tp.Pipeline, "step", "Pipeline.step")
-        wrap(trainer.ShardedBatches, "next", "data")
+        wrap(trainer.Prefetcher, "next", "data")
         wrap(torch.optim.Optimizer, "zero_grad", "zero_grad")
         wrap(trainer, "clip_grad_norm_", "clip")
         wrap(torch.optim.AdamW, "step", "optimizer")
@@ -85,12 +84,7 @@ def run(config: str, overrides: list[str]) -> list[dict[str, float]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="toml_configs/debug_cpu.toml")
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--skip", type=int, default=5, help="warm-up steps left out")
-    parser.add_argument("overrides", nargs="*", help="section.key=value, as for pp-tp train")
-    a = parser.parse_args()
+    a = training_args(__doc__, "toml_configs/debug_cpu.toml", 40, 5)
     tmp = tempfile.mkdtemp()
     overrides = [
         *a.overrides,

@@ -39,6 +39,9 @@ class ModelLayout:
 
     ``shared``: names (modules or non-persistent buffers) every stage keeps, e.g. rotary tables.
     ``block_inputs(stage, h)``: the extra args each block needs after the hidden state.
+    ``document_block_inputs(stage, h, position_ids)``: the block args for per-token position ids that restart at every
+    document (`data.document_mask`): positions from them and attention kept inside each document; None = the layout
+    cannot mask documents (refused in one line).
     ``static_block_inputs``: True when block_inputs depends on h only through its shape, dtype and device (masks,
     rotary tables), so a step computes them once per microbatch shape; False (the default) calls it per microbatch.
     ``call_block(block, h, extras)``: runs one block, returning the new hidden state.
@@ -107,6 +110,7 @@ class ModelLayout:
 
     after_embed_modules: tuple[str, ...] = ()
     before_norm_modules: tuple[str, ...] = ()
+    document_block_inputs: Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[Any, ...]] | None = None
 
     def block_keys(self, model: nn.Module) -> list[str]:
         """The blocks' names inside the blocks container, in execution order."""
@@ -152,3 +156,12 @@ def layout_for(model: nn.Module) -> ModelLayout:
         f"model {type(model).__name__}: no model layout matches it; register one with "
         "pp_tp.extend.register_layout (see ModelLayout)"
     )
+
+
+def check_document_mask(layout: ModelLayout) -> None:
+    """Packed documents need a layout that masks them (`document_block_inputs`); refused in one line otherwise."""
+    if layout.document_block_inputs is None:
+        raise ConfigError(
+            f"data.document_mask = true: the {layout.name!r} model layout cannot keep attention inside documents "
+            "(no document_block_inputs); set data.document_mask = false or give the layout document_block_inputs"
+        )

@@ -14,7 +14,7 @@ from torch import nn
 
 from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
-from pp_tp.layout import ModelDims, ModelLayout, layout_for
+from pp_tp.layout import ModelDims, ModelLayout, check_document_mask, layout_for
 from pp_tp.parallel.experts import check_experts
 from pp_tp.parallel.float8 import check_float8
 from pp_tp.parallel.rng import CLOSES, DEVICES, NEUTRAL, OPENS, active_dropout
@@ -134,12 +134,20 @@ def check_dropout(model: nn.Module, layout: ModelLayout, pcfg: ParallelConfig, d
 
 
 def preflight(
-    model: nn.Module, pcfg: ParallelConfig, device_type: str, seq_len: int | None = None, custom_loss: bool = False
+    model: nn.Module,
+    pcfg: ParallelConfig,
+    device_type: str,
+    seq_len: int | None = None,
+    document_mask: bool = False,
+    custom_loss: bool = False,
 ) -> Preflight:
     """All model-dependent refusals for `model` under a resolved `pcfg`, in one order; no communication.
-    `custom_loss`: the job brings its own loss (build_pipeline's loss_fn, [training] loss). Callers build with the
-    returned `parallel`, whose model-dependent defaults are resolved."""
+    `document_mask`: the job packs documents (`data.document_mask`), so the layout must mask them. `custom_loss`:
+    the job brings its own loss (build_pipeline's loss_fn, [training] loss). Callers build with the returned
+    `parallel`, whose model-dependent defaults are resolved."""
     layout = layout_for(model)
+    if document_mask:
+        check_document_mask(layout)
     d = layout.dims(model)
     pcfg = resolve_embedding(pcfg, d)
     check_layout_names(layout)

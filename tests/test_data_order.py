@@ -9,13 +9,15 @@ from train_utils import CORPUS, job
 
 from pp_tp.config import config_from_dict
 from pp_tp.errors import ConfigError
-from pp_tp.train.data import ShardedBatches, SyntheticSource, TextSource, corpus_text, make_source
+from pp_tp.train.data import SyntheticSource, TextSource, corpus_text
+from pp_tp.train.loader import ShardedBatches
+from pp_tp.train.sources import make_source
 
 
 def _rows(batches: ShardedBatches, steps: int) -> list[bytes]:
     out = []
     for _ in range(steps):
-        ids, labels = batches.next()
+        ids, labels, _ = batches.next()
         assert torch.equal(ids[:, 1:], labels[:, :-1])
         out += [bytes(r.tolist()) for r in ids]
     return out
@@ -27,8 +29,8 @@ def test_dp_shards_see_each_sample_once_per_epoch_and_the_global_batch_is_layout
     path.write_bytes(bytes(torch.randint(0, 256, (1024,), generator=gen).tolist()))  # 63 windows of 16 (+1 label)
     src = TextSource(str(path), 16)
     assert src.num_samples == 63
-    one = ShardedBatches(src, 8, 0, 1, seed=5)
-    halves = [ShardedBatches(src, 8, r, 2, seed=5) for r in range(2)]
+    one = ShardedBatches([src], 8, 0, 1, seed=5)
+    halves = [ShardedBatches([src], 8, r, 2, seed=5) for r in range(2)]
     steps = 7  # 56 of the 63 samples
     whole = _rows(one, steps)
     assert len(set(whole)) == 56  # no sample twice within the epoch
@@ -40,13 +42,13 @@ def test_dp_shards_see_each_sample_once_per_epoch_and_the_global_batch_is_layout
 
 def test_position_resumes_the_same_order_and_the_seed_changes_it(tmp_path):
     src = TextSource(CORPUS, 32)
-    a = ShardedBatches(src, 4, 1, 2, seed=0)
+    a = ShardedBatches([src], 4, 1, 2, seed=0)
     _rows(a, 3)
-    b = ShardedBatches(src, 4, 1, 2, seed=0)
+    b = ShardedBatches([src], 4, 1, 2, seed=0)
     b.load_state_dict(a.state_dict())
-    assert b.state_dict() == {"position": 12}
+    assert b.state_dict()["position"] == 12
     assert _rows(a, 2) == _rows(b, 2)
-    assert _rows(ShardedBatches(src, 4, 1, 2, seed=1), 1) != _rows(ShardedBatches(src, 4, 1, 2, seed=0), 1)
+    assert _rows(ShardedBatches([src], 4, 1, 2, seed=1), 1) != _rows(ShardedBatches([src], 4, 1, 2, seed=0), 1)
 
 
 def test_shipped_corpus_is_the_generator_output_and_synthetic_samples_are_english():

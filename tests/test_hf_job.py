@@ -18,7 +18,7 @@ from pp_tp.cli.job import check_job
 from pp_tp.config import config_from_dict
 from pp_tp.errors import ConfigError
 from pp_tp.parity import mean_token_loss
-from pp_tp.train.data import ShardedBatches, make_source
+from pp_tp.train.sources import make_source
 
 TOKENIZER = os.path.join(REPO, "toml_configs", "hf_tiny")
 
@@ -57,7 +57,7 @@ def trained(world, tmp_path_factory):
 def test_hf_path_weights_and_tokenizer_train_with_validation(trained):
     tmp, d, rows = trained
     cfg, _ = check_job(config_from_dict(d, world_size=4), 4, data=False)  # shape keys from config.json
-    ids, labels = ShardedBatches(make_source(cfg), 8, 0, 1, seed=0).next()
+    ids, labels, _ = make_source(cfg).loader(0, 1).next()
     assert int(ids.max()) < 512 and int(ids.max()) > 255  # BPE ids, not bytes
     want = mean_token_loss(hu.from_pretrained(os.path.join(tmp, "hf")), ids, labels).item()
     for r in rows:  # every rank: step 1's loss is the pretrained weights' loss on the same batch

@@ -13,3 +13,18 @@ def test_mfu_uses_the_device_table_and_is_left_out_when_the_peak_is_unknown():
     row = MetricsLogger("", 1, False, 1e9, 2, 1e12).log(3, False, 2.0, 0.5, 1e-3, tokens=1000, step_time_s=0.5)
     assert row["tokens_per_s"] == 2000 and row["mfu"] == pytest.approx(1.0)  # 1e9 * 2000 / (2 * 1e12)
     assert "mfu" not in MetricsLogger("", 1, False, 1e9, 2, None).log(3, False, 2.0, 0.5, 1e-3, 1000, 0.5)
+
+
+def test_tensorboard_gets_the_logged_rows_scalars_beside_the_jsonl(tmp_path, capsys):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log = MetricsLogger(str(tmp_path / "m.jsonl"), 1, True, 1e9, 2, None, 2, str(tmp_path / "tb"))
+    log.log(1, False, 2.5, 0.75, 1e-3, 1000, 0.5, {"data_s": 0.125})
+    log.log(2, True, 2.0, 0.5, 5e-4, 1000, 0.25, {"data_s": 0.0625, "val_loss": 2.25})
+    assert "| data 125.0 ms" in capsys.readouterr().out
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    values = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    assert values["train/loss"] == [(1, 2.5), (2, 2.0)] and values["val/loss"] == [(2, 2.25)]
+    assert values["perf/data_s"] == [(1, 0.125), (2, 0.0625)] and values["train/grad_norm"] == [(1, 0.75), (2, 0.5)]
+    assert {"train/lr", "perf/tokens_per_s", "memory/peak_gib", "perf/step_time_s"} <= set(values)

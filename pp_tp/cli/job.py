@@ -13,7 +13,8 @@ from pp_tp.config import JobConfig, load_config, validate
 from pp_tp.mesh import device_type
 from pp_tp.models.factory import build_model, resolve_model_config
 from pp_tp.preflight import Preflight, preflight
-from pp_tp.train.data import make_source
+from pp_tp.train.sources import make_source
+from pp_tp.train.tensorboard import check_tensorboard
 
 
 def check_job(cfg: JobConfig, world_size: int | None = None, data: bool = True) -> tuple[JobConfig, Preflight]:
@@ -22,10 +23,13 @@ def check_job(cfg: JobConfig, world_size: int | None = None, data: bool = True) 
     `data`: also open the training data source (`pp-tp parity` feeds its own random batches)."""
     cfg = validate(dataclasses.replace(cfg, model=resolve_model_config(cfg.model)), world_size)
     model = build_model(cfg.model, "meta")
-    checked = preflight(model, cfg.parallel, device_type(), cfg.training.seq_len, custom_loss=bool(cfg.training.loss))
+    checked = preflight(
+        model, cfg.parallel, device_type(), cfg.training.seq_len, cfg.data.document_mask, bool(cfg.training.loss)
+    )
     cfg = dataclasses.replace(cfg, parallel=checked.parallel)
     if data:
         make_source(cfg)  # the data source opens and fits the model
+    check_tensorboard(cfg.training.tensorboard_dir)
     return cfg, checked
 
 

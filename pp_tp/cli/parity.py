@@ -27,7 +27,7 @@ from pp_tp.parallel.rng import switch_off_dropout
 from pp_tp.parity import PipelineRun, ReferenceRun, lockstep
 from pp_tp.runtime.loss import SumLoss
 from pp_tp.seeded_init import init_weights
-from pp_tp.train.data import ShardedBatches, make_source
+from pp_tp.train.sources import make_source
 
 DEFAULT_TOL = {"fp32": 1e-4, "bf16": 5e-2}
 
@@ -48,8 +48,8 @@ def parity_batches(cfg: JobConfig, steps: int) -> Iterator[tuple[torch.Tensor, t
     is not an LM) the job's own data source, whose inputs and targets a token batch could not stand in for."""
     if not cfg.training.loss:
         return (synthetic_batch(cfg, step) for step in range(1, steps + 1))
-    loader = ShardedBatches(make_source(cfg), cfg.training.batch_size, 0, 1, seed=cfg.training.seed)
-    return (loader.next() for _ in range(steps))
+    loader = make_source(cfg).loader(0, 1)
+    return (loader.next()[:2] for _ in range(steps))
 
 
 def run_parity(cfg: JobConfig, steps: int, tol: float | None) -> int:

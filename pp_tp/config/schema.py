@@ -129,6 +129,7 @@ class TrainingConfig:
     seed: int = 0
     log_every: int = 1
     metrics_file: str = ""
+    tensorboard_dir: str = ""  # TensorBoard scalars of the logged rows ("" = none); needs the tensorboard package
     comm_timeout_s: float = 300.0
     skip_nonfinite: bool = False  # a non-finite loss or grad norm skips the step (counted) instead of stopping
     loss: str = ""  # "": the language model's token loss; else a name in LOSS_NAMES (models that are not LMs)
@@ -136,9 +137,21 @@ class TrainingConfig:
 
 @dataclass
 class DataConfig:
+    """`[data]`: where the tokens come from. `text` and `synthetic` are byte-level (or `tokenizer`-encoded text);
+    `tokens` reads pre-tokenized flat files (`paths` globs, one mixture component each, drawn by `weights`);
+    `dataset` tokenizes jsonl / parquet / arrow files or a saved `datasets` directory's `text_field` on the fly.
+    `document_mask` restarts position ids after every EOS and keeps attention inside each document."""
+
     source: str = "synthetic"
     path: str = ""
+    paths: list[str] | None = None  # several globs (tokens: one mixture component each); "path" is one
+    weights: list[float] | None = None  # per `paths` entry; None: by size (tokens), in order (dataset)
     tokenizer: str = ""  # an HF tokenizer directory (its tokenizer.json); "" = byte-level tokens
+    dtype: str = "uint16"  # a .bin token file's element type (.npy files carry their own)
+    eos_id: int | None = None  # tokens: the id that ends a document (needed by document_mask)
+    text_field: str = "text"  # dataset: the column holding each document's text
+    document_mask: bool = False
+    prefetch: int = 2  # batches a background thread prepares ahead of the step (0: inline)
 
 
 @dataclass
@@ -187,7 +200,7 @@ CHOICES: dict[str, dict[str, tuple[str, ...]]] = {
         "activation_checkpoint": ("none", "full", "selective"),
         "embedding": ("auto", "replicate", "vocab_parallel"),
     },
-    "data": {"source": ("synthetic", "text", "fields")},
+    "data": {"source": ("synthetic", "text", "tokens", "dataset", "fields"), "dtype": ("uint16", "uint32")},
 }
 
 # (key, lower bound, whether the bound itself is allowed). dp_shard (-1 allowed) has its own check.
@@ -230,6 +243,7 @@ BOUNDS: dict[str, tuple[tuple[str, float, bool], ...]] = {
         ("lr", 0, False),
         ("warmup_steps", 0, True),
     ),
+    "data": (("eos_id", 0, True), ("prefetch", 0, True)),
     "checkpoint": (("interval", 0, True),),
     "validation": (("every", 0, True), ("steps", 1, True), ("split", 0, True)),
 }

@@ -7,8 +7,8 @@ import os
 
 from pp_tp.config.fields import checked
 from pp_tp.config.fsdp_policy import check_policy_keys, schedule_reshard
-from pp_tp.config.schema import SPLIT_ARGS, DataConfig, JobConfig, ParallelConfig, TrainingConfig
-from pp_tp.config.sections import check_fields_job, check_moe, check_validation
+from pp_tp.config.schema import SPLIT_ARGS, JobConfig, ParallelConfig, TrainingConfig
+from pp_tp.config.sections import check_data, check_fields_job, check_moe, check_validation
 from pp_tp.errors import ConfigError
 from pp_tp.schedules.registry import check_schedule, default_stages_per_rank, splits_weight_grad
 
@@ -29,7 +29,7 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> JobConfig:
         model=model,
         parallel=parallel,
         training=_check_training(cfg.training, parallel),
-        data=_check_data(cfg.data),
+        data=check_data(checked("data", cfg.data)),
         checkpoint=checked("checkpoint", cfg.checkpoint),
         validation=check_validation(checked("validation", cfg.validation), cfg.data),
     )
@@ -157,13 +157,3 @@ def _check_training(training: TrainingConfig, p: ParallelConfig) -> TrainingConf
             f"{p.microbatches}; set training.batch_size to a multiple of dp * microbatches = {multiple}"
         )
     return t
-
-
-def _check_data(data: DataConfig) -> DataConfig:
-    d = checked("data", data)
-    if d.source == "text" and not os.path.isfile(d.path):
-        raise ConfigError(
-            f'data.path = {d.path!r} is not an existing file but data.source = "text" reads it; '
-            'give a text file\'s path or set data.source = "synthetic"'
-        )
-    return d

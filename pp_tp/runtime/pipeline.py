@@ -26,6 +26,7 @@ from pp_tp.config import ParallelConfig
 from pp_tp.config.fsdp_policy import FsdpPolicy
 from pp_tp.errors import ConfigError
 from pp_tp.hf_checkpoint import save_pretrained
+from pp_tp.layout import check_document_mask
 from pp_tp.mesh import dp_rank
 from pp_tp.parallel.rng import StageStream
 from pp_tp.parallel.tensor_parallel import reduce_partial_grads
@@ -207,10 +208,28 @@ class Pipeline:
             dist.all_reduce(total, group=g)
         return total[0].float()
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def _position_kwargs(self, where: str, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> dict:
+        """The schedule's keyword inputs: per-token position ids (split into microbatches by torch, handed to
+        every stage's forward), when the batch packs documents."""
+        if position_ids is None:
+            return {}
+        check_document_mask(self.model_parts[0].layout)
+        if position_ids.shape != input_ids.shape:
+            raise ConfigError(
+                f"{where}: position_ids {tuple(position_ids.shape)} must have the shape of input_ids "
+                f"{tuple(input_ids.shape)}"
+            )
+        return {"position_ids": position_ids.to(self.device)}
+
+    def step(
+        self, inputs: torch.Tensor, targets: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """One forward/backward over this DP rank's batch; returns the global loss on every rank: the mean token loss
         (`inputs` = input_ids, `targets` = labels), or with the caller's loss its sum over the global normalizer
-        (targets needed only where the last stage is)."""
+        (targets needed only where the last stage is). `position_ids` ([batch, seq], restarting at 0 at every packed
+        document) keep each token's attention and positions inside its own document; the model's layout must offer
+        `document_block_inputs`."""
+        kwargs = self._position_kwargs("Pipeline.step", inputs, position_ids)
         inputs, targets, n = self.prepare_batch("Pipeline.step", inputs, targets)
         self._loss.scale = self._grad_factor / max(n, 1)
         losses: list[torch.Tensor] = []
@@ -222,7 +241,7 @@ class Pipeline:
                 ctx.enter_context(stage.reuse_block_inputs())
             if self._routing is not None:
                 self._routing.reset()
-            self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         if self._routing is not None and self._routing.counts:
             self.moe_stats = {"tokens_per_expert": self._routing.collect()}
         reduce_partial_grads(self.model_parts)  # once per step, after the last microbatch
@@ -235,9 +254,12 @@ class Pipeline:
         save_pretrained(self.model_parts, self.mesh, path, self.hf_config, self.source_dir, max_shard_size, dtype)
 
     @torch.no_grad()
-    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def evaluate(
+        self, inputs: torch.Tensor, targets: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Forward-only global loss of this DP rank's batch share (validation), as `step` defines it; every rank
-        calls it, and no gradient is created or changed (checked)."""
+        calls it, and no gradient is created or changed (checked). `position_ids` as in `step`."""
+        kwargs = self._position_kwargs("Pipeline.evaluate", inputs, position_ids)
         inputs, labels, n_tokens = self.prepare_batch("Pipeline.evaluate", inputs, targets)
         before = grad_state(self.model_parts)
         scale = self._loss.scale
@@ -250,7 +272,7 @@ class Pipeline:
         try:
             with self._loss.parallel(), forward_only(self.schedule):
                 self.schedule.eval(*args, target=labels if self.has_last_stage else None, losses=losses,
-                                   return_outputs=False)  # fmt: skip
+                                   return_outputs=False, **kwargs)  # fmt: skip
         finally:
             self._loss.scale = scale
             for p, g in grads:

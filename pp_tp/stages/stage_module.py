@@ -121,7 +121,9 @@ class StageModule(nn.Module):
             cache[key] = extras
         return cache[key]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`position_ids` [microbatch, seq] (every stage gets them from the schedule): positions restarting at each
+        packed document, with attention kept inside it; None: one sequence per row."""
         lay = self.layout
         h = x
         if self.is_first:
@@ -131,7 +133,7 @@ class StageModule(nn.Module):
             for name in lay.after_embed_modules:
                 h = self.get_submodule(name)(h)
         if self.spec.blocks:
-            extras = self._block_inputs(h)
+            extras = self._block_inputs(h) if position_ids is None else lay.document_block_inputs(self, h, position_ids)
             for block in self.block_modules():
                 h = lay.call_block(block, h, extras)
         if self.is_last:

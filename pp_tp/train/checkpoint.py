@@ -1,4 +1,5 @@
-"""Training checkpoints with torch.distributed.checkpoint (DCP): model, optimizer, LR schedule, data position, RNG.
+"""Training checkpoints with torch.distributed.checkpoint (DCP): model, optimizer, LR schedule, data loader state
+(samples consumed and each mixture component's count, or each packed row's epoch, document and offset), RNG.
 
 Model and optimizer entries are keyed by the full model's FQNs (torch's `get_model_state_dict` /
 `get_optimizer_state_dict` with flattened optimizer state, per model part), and DCP reshards DTensors on
@@ -31,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from pp_tp.config import CheckpointConfig
 from pp_tp.parallel.rng import StageStream
-from pp_tp.train.data import ShardedBatches
+from pp_tp.train.prefetch import Prefetcher
 
 _FINAL = re.compile(r"^step-(\d+)$")
 _OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -102,7 +103,7 @@ class Checkpointer:
         model_parts: list[nn.Module],
         optimizers: list[torch.optim.Optimizer],
         schedulers: list[torch.optim.lr_scheduler.LRScheduler],
-        loader: ShardedBatches,
+        loader: Prefetcher,
         rng_streams: Sequence[StageStream] = (),
     ):
         self.cfg = ccfg

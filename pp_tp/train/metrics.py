@@ -1,4 +1,5 @@
-"""Per-step training metrics: one line on rank 0's stdout and one JSON object per line in `training.metrics_file`.
+"""Per-step training metrics: one line on rank 0's stdout and one JSON object per line in `training.metrics_file`
+(and TensorBoard scalars in `training.tensorboard_dir`).
 
 MFU needs the device's peak FLOPs, which torch does not expose: a small table of dense bf16 peaks for known
 accelerators (vendor datasheets) stands in. On CPU, or in fp32, MFU is left out rather than guessed.
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from pp_tp.runtime.routing_stats import imbalance
+from pp_tp.train.tensorboard import TensorBoard
 
 # Dense (not sparse) bf16 tensor-core peaks, FLOP/s per device; longer names are matched first.
 PEAK_BF16_FLOPS = {
@@ -60,8 +62,10 @@ class MetricsLogger:
         world_size: int,
         device_peak_flops: float | None,
         total_steps: int = 0,
+        tensorboard_dir: str = "",
     ):
         self.path, self.log_every, self.writer = path, log_every, writer
+        self.tensorboard = TensorBoard(tensorboard_dir) if writer and tensorboard_dir else None
         self.total_steps, self._times = total_steps, []
         self.flops_per_token, self.world_size, self.peak = flops_per_token, world_size, device_peak_flops
         if writer and path and os.path.dirname(path):
@@ -92,7 +96,8 @@ class MetricsLogger:
     ) -> dict:
         """The step's row (returned on every rank); printed and written on log steps by the writer rank.
 
-        `extra`: more figures for the row (val_loss, skipped_steps); with `total_steps`, an ETA too."""
+        `extra`: more figures for the row (val_loss, skipped_steps, data_s: the step's wait for its batch); with
+        `total_steps`, an ETA too."""
         tps = tokens / step_time_s
         row = {
             "step": step,
@@ -113,6 +118,7 @@ class MetricsLogger:
             mfu += f" | val_loss {row['val_loss']:.4f}" if "val_loss" in row else ""
             mfu += f" | skipped {row['skipped_steps']}" if row.get("skipped_steps") else ""
             mfu += f" | moe imbalance {row['moe_imbalance']:.2f}" if "moe_imbalance" in row else ""
+            mfu += f" | data {1000 * row['data_s']:.1f} ms" if "data_s" in row else ""
             mfu += f" | {step}/{self.total_steps} eta {_hms(row['eta_s'])}" if "eta_s" in row else ""
             print(
                 f"step {step:>6} | loss {loss:.4f} | grad_norm {grad_norm:.3f} | lr {lr:.2e} | "
@@ -122,6 +128,8 @@ class MetricsLogger:
             if self.path:
                 with open(self.path, "a") as f:
                     f.write(json.dumps(row) + "\n")
+            if self.tensorboard is not None:
+                self.tensorboard.write(row)
         return row
 
 

@@ -33,6 +33,18 @@ def load_tokenizer(path: str):  # -> tokenizers.Tokenizer
         raise ConfigError(f"data.tokenizer = {path!r}: tokenizer.json does not load ({e}); fix or replace it") from None
 
 
+def fitting_tokenizer(path: str, vocab_size: int):  # -> tokenizers.Tokenizer
+    """DIR/tokenizer.json, refused in one line when its vocabulary is larger than the model's."""
+    tok = load_tokenizer(path)
+    n = tok.get_vocab_size(with_added_tokens=True)
+    if n > vocab_size:
+        raise ConfigError(
+            f"data.tokenizer = {path!r} has {n} tokens, more than model.vocab_size = {vocab_size}; "
+            f"use a model with vocab_size >= {n} or a smaller tokenizer"
+        )
+    return tok
+
+
 def eos_id(path: str, tok) -> int | None:
     """The EOS token: tokenizer_config.json's `eos_token` when present, else a usual EOS name in the vocab."""
     cfg_file = os.path.join(path, "tokenizer_config.json")
@@ -58,13 +70,7 @@ def encode_file(path: str, tokenizer_dir: str, vocab_size: int) -> torch.Tensor:
     if not tokenizer_dir:
         with open(path, "rb") as f:
             return torch.frombuffer(bytearray(f.read()), dtype=torch.uint8).long()
-    tok = load_tokenizer(tokenizer_dir)
-    n = tok.get_vocab_size(with_added_tokens=True)
-    if n > vocab_size:
-        raise ConfigError(
-            f"data.tokenizer = {tokenizer_dir!r} has {n} tokens, more than model.vocab_size = {vocab_size}; "
-            f"use a model with vocab_size >= {n} or a smaller tokenizer"
-        )
+    tok = fitting_tokenizer(tokenizer_dir, vocab_size)
     with open(path, encoding="utf-8") as f:
         docs = documents(f.read())
     eos = eos_id(tokenizer_dir, tok)

@@ -32,10 +32,12 @@ from pp_tp.planner import resolve_auto
 from pp_tp.split import cost
 from pp_tp.train import run_report
 from pp_tp.train.checkpoint import Checkpointer, latest_checkpoint
-from pp_tp.train.data import ShardedBatches, make_source
 from pp_tp.train.liveness import PeerWatch
 from pp_tp.train.metrics import MetricsLogger, moe_imbalance, peak_flops
 from pp_tp.train.nonfinite import NonFiniteError, NonFiniteGuard, describe, is_finite
+from pp_tp.train.prefetch import Prefetcher
+from pp_tp.train.sources import make_source
+from pp_tp.train.tensorboard import check_tensorboard
 from pp_tp.train.validation import Validator
 
 
@@ -86,8 +88,9 @@ def _metrics(cfg: JobConfig, dims: ModelDims, mesh: DeviceMesh) -> MetricsLogger
         else None
     )
     return MetricsLogger(
-        t.metrics_file, t.log_every, dist.get_rank() == 0, flops, dist.get_world_size(), device_peak, t.steps
-    )
+        t.metrics_file, t.log_every, dist.get_rank() == 0, flops, dist.get_world_size(), device_peak, t.steps,
+        t.tensorboard_dir,
+    )  # fmt: skip
 
 
 def _resume(ckpt: Checkpointer, resume: str | None, cfg: JobConfig) -> int:
@@ -117,6 +120,7 @@ class Trainer:
 
     def __init__(self, cfg: JobConfig):
         self.source = make_source(cfg)
+        check_tensorboard(cfg.training.tensorboard_dir)
         self.validator = Validator(cfg)  # held-out text checked here, before any collective
         self.cfg, self.auto_line = resolve_auto(cfg)  # "auto" FSDP policies, before the process group
         self.plan = run_report.dry_run(self.cfg)
@@ -136,7 +140,7 @@ class Trainer:
             loss_fn=t.loss or None,  # a model that is not an LM: its own loss, e.g. "mse"
             rng_seed=t.seed,  # dropout streams per (stage, dp rank), per TP rank in sharded regions
         )  # fmt: skip
-        self.loader = ShardedBatches(self.source, t.batch_size, dp_rank(self.mesh), dp_size(self.mesh), seed=t.seed)
+        self.loader = Prefetcher(self.source.loader(dp_rank(self.mesh), dp_size(self.mesh)), self.cfg.data.prefetch)
         self.optimizers, self.schedulers = build_optimizers(self.pipe.model_parts, t)
         parts = self.pipe.model_parts
         self.checkpointer = Checkpointer(
@@ -166,6 +170,7 @@ class Trainer:
                     rows.append(self._train_step())
         finally:
             watch.stop()
+            self.loader.stop()
         return rows
 
     def _train_step(self) -> dict:
@@ -176,7 +181,7 @@ class Trainer:
         loss, grad_norm, lr, stepped = self._optimizer_step()
         elapsed = time.perf_counter() - start
         self.skipped += not stepped
-        extra = {"skipped_steps": self.skipped}
+        extra = {"skipped_steps": self.skipped, "data_s": self.loader.wait_s}
         if self.has_experts:
             extra.update(moe_imbalance(self.pipe.moe_stats.get("tokens_per_expert", {}), self.mesh))
         if self.validator.due(step, last):
@@ -189,11 +194,11 @@ class Trainer:
         """Forward/backward, clip, and the optimizer step unless the loss or grad norm is non-finite (then stop,
         or skip with training.skip_nonfinite). Returns (loss, grad_norm, lr, stepped)."""
         t = self.cfg.training
-        ids, labels = self.loader.next()
+        batch = self.loader.next()
         for opt in self.optimizers:
             opt.zero_grad()
         self.guard.begin_step()
-        loss = float(self.pipe.step(ids, labels))
+        loss = float(self.pipe.step(*batch))
         grad_norm = float(clip_grad_norm_(self.pipe.model_parts, t.max_norm, self.mesh))
         lr = self.schedulers[0].get_last_lr()[0]
         if not is_finite(loss, grad_norm):  # loss and norm are global: every rank takes this branch together

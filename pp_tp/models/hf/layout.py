@@ -4,9 +4,10 @@ The embedding, blocks and final norm come from the config's `base_model_pp_plan`
 `base_model_prefix`; the head is `get_output_embeddings()`. Blocks are called the way the model's own
 forward calls them: masks built per microbatch by transformers' own mask functions (causal or sliding
 window, per layer type), position ids, and rotary embeddings from the model's rotary module (per layer
-type where it has several). What the forward does outside its modules (embedding multipliers, logit
-scaling, final softcapping) is carried into the first and last stage. `self_check` then proves the
-composition equal to the model's own forward on a small copy, or refuses the family in one line.
+type where it has several); with packed documents' position ids, transformers' packed-sequence masks. What
+the forward does outside its modules (embedding multipliers, logit scaling, final softcapping) is carried into
+the first and last stage. `self_check` then proves the composition equal to the model's own forward on a
+small copy, or refuses the family in one line.
 """
 
 from __future__ import annotations
@@ -152,9 +153,13 @@ class BlockContext:
 
     def inputs(self, stage: nn.Module, h: torch.Tensor) -> tuple[Any, ...]:
         """Masks by attention type, position ids and position embeddings for this microbatch."""
+        return self.document_inputs(stage, h, torch.arange(h.shape[1], device=h.device).unsqueeze(0))
+
+    def document_inputs(self, stage: nn.Module, h: torch.Tensor, position_ids: torch.Tensor) -> tuple[Any, ...]:
+        """The same for given per-token position ids: where they restart (packed documents), transformers' own
+        mask functions keep attention inside each document (sliding windows included)."""
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-        position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
         kwargs = {"config": self.config, "inputs_embeds": h, "attention_mask": None, "position_ids": position_ids}
         types = set(self.layer_types.values())
         makers = {FULL: create_causal_mask, SLIDING: create_sliding_window_causal_mask}
@@ -259,6 +264,7 @@ def compose(model: nn.Module) -> ModelLayout:
         head=head,
         shared=tuple(f"{prefix}.{name}" for name in extra),
         block_inputs=ctx.inputs,
+        document_block_inputs=ctx.document_inputs,
         call_block=ctx.call,
         tp_plan=tp_plan,
         tp_refusal=tp_refusal,

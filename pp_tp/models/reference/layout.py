@@ -7,7 +7,7 @@ import dataclasses
 from torch import nn
 
 from pp_tp.layout import ModelDims, ModelLayout
-from pp_tp.models.reference.model import Transformer, param_init_std, rope_cache
+from pp_tp.models.reference.model import Transformer, document_mask, param_init_std, rope_cache
 from pp_tp.models.reference.moe import init_expert_bias
 
 
@@ -77,4 +77,5 @@ REFERENCE = ModelLayout(
     init_std=param_init_std,
     static_block_inputs=True,  # the rotary table only
     specialize=_specialize,
+    document_block_inputs=lambda stage, h, pos: (stage.rope[pos], document_mask(pos)),
 )

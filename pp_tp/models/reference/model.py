@@ -33,14 +33,26 @@ def rope_cache(head_dim: int, max_seq_len: int, theta: float, device=None) -> to
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """x: [b, s, h, d]; rotates adjacent pairs of channels."""
-    seq = x.shape[1]
-    cos, sin = rope[:seq, :, 0], rope[:seq, :, 1]  # [s, d/2]
+    """x: [b, s, h, d]; rotates adjacent pairs of channels. `rope`: the table (positions 0..s-1) or the rows of
+    per-token positions, [b, s, d/2, 2] (`rope[position_ids]`)."""
+    if rope.dim() == 3:
+        cos, sin = (rope[None, : x.shape[1], None, :, i] for i in (0, 1))  # [1, s, 1, d/2]
+    else:
+        cos, sin = (rope[:, :, None, :, i] for i in (0, 1))  # [b, s, 1, d/2]
     xf = x.float().unflatten(-1, (-1, 2))
     x0, x1 = xf[..., 0], xf[..., 1]
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
     out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
     return out.flatten(-2).type_as(x)
+
+
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """[b, 1, s, s] boolean attention mask: causal, and inside the document of each query (a document starts
+    wherever the position does not follow the previous one, as transformers reads packed position ids)."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    doc = starts.cumsum(-1)
+    causal = torch.ones(doc.shape[1], doc.shape[1], dtype=torch.bool, device=doc.device).tril()
+    return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
 
 
 class RMSNorm(nn.Module):
@@ -67,7 +79,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(hd, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(hd, args.norm_eps) if args.qk_norm else None
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         # Head counts come from the (possibly tensor-parallel) projection widths, so a TP shard
         # runs with its local heads without any attribute rewriting.
@@ -78,7 +90,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        gqa = q.shape[1] != k.shape[1]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -105,8 +118,8 @@ class TransformerBlock(nn.Module):
         else:
             self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -134,10 +147,12 @@ class Transformer(nn.Module):
         init_expert_bias(self)
         init_weights(self, seed, self.args.n_layers, param_init_std)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits; with `position_ids` (restarting at each packed document) attention stays inside documents."""
         h = self.tok_embeddings(input_ids)
+        extras = (self.rope,) if position_ids is None else (self.rope[position_ids], document_mask(position_ids))
         for layer in self.layers.values():
-            h = layer(h, self.rope)
+            h = layer(h, *extras)
         return self.output(self.norm(h))
 
 

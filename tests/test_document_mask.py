@@ -1,0 +1,117 @@
+"""`data.document_mask`: a packed batch through the pipeline (position ids restarting at every EOS, handed to every
+stage) equals the plain model run on each document separately, summed over the same token normalization: loss,
+every full gradient and the parameters after two AdamW steps, at pp2 x tp2 on the reference model and on a tied
+Hugging Face family with a sliding window shorter than the documents."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import parity_utils as pu
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers as T
+
+import pp_tp
+from pp_tp.errors import ConfigError
+from pp_tp.layout import check_document_mask
+from pp_tp.models.reference.layout import REFERENCE
+from pp_tp.models.reference.model import ModelArgs, Transformer
+from pp_tp.parity import dp_share, worst_err
+from pp_tp.train.packing import document_positions
+
+VOCAB, SEQ, EOS = 64, 24, 2
+
+
+def _model(name: str, device: str = "cpu") -> torch.nn.Module:
+    with torch.device(device):
+        if name == "reference":
+            return Transformer(ModelArgs(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48,
+                                         max_seq_len=32))  # fmt: skip
+        config = T.MistralConfig(
+            hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=VOCAB, max_position_embeddings=64, sliding_window=3, tie_word_embeddings=True, eos_token_id=EOS,
+        )  # fmt: skip
+        return T.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
+def _packed_batch(rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of several EOS-ended documents of uneven lengths (some longer than the window), some labels ignored."""
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, VOCAB, (rows, SEQ + 1), generator=gen)
+    for r in range(rows):
+        for cut in torch.randint(1, SEQ, (r % 4,), generator=gen).tolist():
+            ids[r, cut] = EOS
+    labels = ids[:, 1:].clone()
+    labels[1, -3:] = -100
+    ids = ids[:, :-1].contiguous()
+    return ids, labels, document_positions(ids, EOS)
+
+
+def _per_document_loss(model: torch.nn.Module, ids, labels, positions) -> torch.Tensor:
+    """Each document through the plain model alone; token cross-entropies summed over the batch's token count."""
+    total = torch.zeros(())
+    for r in range(ids.shape[0]):
+        starts = (positions[r] == 0).nonzero().flatten().tolist() + [ids.shape[1]]
+        for a, b in zip(starts[:-1], starts[1:]):
+            out = model(ids[r : r + 1, a:b])
+            logits = out.logits if hasattr(out, "logits") else out
+            total = total + F.cross_entropy(logits[0].float(), labels[r, a:b], ignore_index=-100, reduction="sum")
+    return total / (labels != -100).sum()
+
+
+def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {
+        k: torch.randn(v.shape, generator=gen) * 0.1 + (1.0 if "norm" in k else 0.0)
+        for k, v in model.named_parameters()
+    }
+
+
+def document_case(name: str) -> dict:
+    """Per rank: worst relative errors against the per-document run over two AdamW steps."""
+    pcfg = pu.pcfg_of(pp=2, tp=2, schedule="1F1B", microbatches=2, embedding="vocab_parallel")
+    model = _model(name)
+    state = _state(model)
+    model.load_state_dict(state, strict=False)
+    pipe = pp_tp.build_pipeline(_model(name, "meta"), pu.mesh_for(pcfg), pcfg, state_dict=state)
+    run, ref = pu.PipelineRun(pipe, pu.adamw()), pu.ReferenceRun(model, pu.adamw())
+    ids, labels, positions = _packed_batch(4)
+    errs = {"loss": 0.0, "grad": 0.0, "param": 0.0}
+    plain_loss = float(pipe.step(ids, labels))  # without positions: attention crosses documents
+    shares = [dp_share(pipe.mesh, t) for t in (ids, labels, positions)]
+    evaluated = float(pipe.evaluate(*shares))  # forward only (validation), documents masked alike
+    for opt in (run.optimizer, ref.optimizer):
+        opt.zero_grad()
+    for _ in range(2):
+        ref.optimizer.zero_grad()
+        loss = _per_document_loss(model, ids, labels, positions)
+        loss.backward()
+        want = loss.item()
+        ref.optimizer.step()
+        run.optimizer.zero_grad()
+        got = float(pipe.step(*shares))
+        errs["grad"] = max(errs["grad"], worst_err(run.grads(), ref.grads(), run.keys))
+        run.optimizer.step()
+        errs["loss"] = max(errs["loss"], abs(got - want) / want)
+        errs["param"] = max(errs["param"], worst_err(run.params(), ref.params(), run.keys))
+        if _ == 0:
+            errs["plain_gap"] = abs(plain_loss - want) / want
+            errs["eval"] = abs(evaluated - want) / want
+    return errs
+
+
+def test_packed_documents_equal_each_document_alone_at_pp2_tp2(world):
+    for name in ("reference", "mistral_tied_sliding"):
+        for r in world(4).run(document_case, name):
+            assert max(r["loss"], r["grad"], r["param"], r["eval"]) <= 1e-5, (name, r)
+            assert r["plain_gap"] > 1e-4, (name, r)  # the mask matters on this batch: 10x the tolerance
+
+
+def test_positions_restart_after_every_eos_and_layouts_without_document_inputs_are_refused():
+    ids = torch.tensor([[5, 2, 7, 8, 2, 2, 9]])
+    assert document_positions(ids, 2).tolist() == [[0, 1, 0, 1, 2, 0, 0]]
+    check_document_mask(REFERENCE)
+    with pytest.raises(ConfigError, match="data.document_mask = true: the 'reference' model layout cannot keep"):
+        check_document_mask(dataclasses.replace(REFERENCE, document_block_inputs=None))
