@@ -162,10 +162,11 @@ ORDER = ["tp", "float8", "activation_checkpoint", "compile", "fsdp"]
 def check_order(r: dict) -> None:
     """What each pass must find on entry: TP shards first, float8 converts TP's shards, AC wraps the converted
     block, compile sees the checkpointed block, FSDP shards the compiled, checkpointed block."""
-    assert [name for name, _ in r["seen"]] == ORDER and r["changed"] == ORDER
+    assert [name for name, _ in r["seen"]] == ["tp", "experts", *ORDER[1:]] and r["changed"] == ORDER  # no experts
     seen = dict(r["seen"])
     off = {"tp_sharded": False, "float8": 0, "checkpointed": False, "compiled": False, "fsdp": False}
     assert seen["tp"] == off
+    assert seen["experts"] == {**off, "tp_sharded": True}
     assert seen["float8"] == {**off, "tp_sharded": True}
     assert seen["activation_checkpoint"] == {**seen["float8"], "float8": 2}
     assert seen["compile"] == {**seen["activation_checkpoint"], "checkpointed": True}
