@@ -75,7 +75,7 @@ def _case() -> dict:
 
     hooks = []
     for part in pipe.model_parts:
-        for block in part.blocks():
+        for block in part.block_modules():
             idx = block.self_attn.layer_idx
             hooks.append(block.register_forward_pre_hook(lambda m, a, idx=idx: layer.__setitem__(0, idx)))
             hooks.append(block.register_forward_hook(lambda m, a, out: outputs.append(out.detach().clone())))
