@@ -8,7 +8,8 @@ For each `model_type` of the installed transformers' causal-LM mapping whose con
 `base_model_pp_plan`: its default config shrunk by pp_tp's own `small_config`, seeded random weights (norm weights
 near 1, all-zero persistent float buffers such as router biases stirred), fp32. On 4 gloo ranks (one world for
 every family) the model's own forward + backward on an 8 x 16 batch is the reference; `build_pipeline` with
-default options (pp2 x tp2, 1F1B, 2 microbatches; MoE families pp2 x dp_shard2) runs one `Pipeline.step` on the
+default options (pp2 x tp2, 1F1B, 2 microbatches; MoE families pp2 x dp_shard2 x ep2, or `--moe-layout dp_shard`
+/ `tp`) runs one `Pipeline.step` on the
 same weights and batch. Verdicts: exact (loss and every full gradient within tolerance, persistent buffers equal,
 parameters covered), refused (the same one-line ConfigError on every rank), wrong (anything else), skipped (the
 reference itself could not be built or run: not pp_tp's doing). Dropout a default config turns on is set to 0 (the
