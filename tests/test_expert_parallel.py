@@ -14,7 +14,7 @@ import parity_utils as pu
 import pytest
 import torch
 import torch.distributed as dist
-from test_hf_families import SEQ, VOCAB, family_case, make
+from test_hf_families import SEQ, VOCAB, assert_exact, make, run_all
 
 import pp_tp
 from pp_tp.config import ParallelConfig
@@ -37,25 +37,14 @@ CASES8 = [
     ("deepseek_v3", dict(pp=2, dp_replicate=2, schedule="Interleaved1F1B", microbatches=2, **EP)),  # HSDP + EP
     ("qwen3_moe", dict(pp=2, dp_shard=4, ep=2, schedule="1F1B", microbatches=2)),  # experts FSDP over 2
 ]
-TOL = 1e-5
-
-
-def _run_all(cases: list[tuple[str, dict]]) -> list[dict]:
-    return [family_case(name, kw) for name, kw in cases]
-
-
-def _assert_exact(results: list[list[dict]], cases: list[tuple[str, dict]]) -> None:
-    for per_rank in results:
-        for (name, kw), r in zip(cases, per_rank):
-            assert all(r[e] <= TOL for e in ("loss_err", "grad_err", "param_err", "buffer_err")), (name, kw, r)
 
 
 def test_moe_families_exact_with_ep_and_tp_experts(world):
-    _assert_exact(world(4).run(_run_all, CASES4), CASES4)
+    assert_exact(world(4).run(run_all, CASES4), CASES4)
 
 
 def test_moe_families_exact_with_ep_tp_and_hsdp_on_8_ranks(world):
-    _assert_exact(world(8).run(_run_all, CASES8), CASES8)
+    assert_exact(world(8).run(run_all, CASES8), CASES8)
 
 
 # --- what crosses the wire --------------------------------------------------------------------------------

@@ -178,22 +178,23 @@ CASES8 = [
 TOL = 1e-5
 
 
-def _run_all(cases: list[tuple[str, dict]]) -> list[dict]:
+def run_all(cases: list[tuple[str, dict]]) -> list[dict]:
+    """Every (family, parallel keys) case on this rank (tests/test_expert_parallel.py runs its own through it)."""
     return [family_case(name, kw) for name, kw in cases]
 
 
-def _assert_exact(results: list[list[dict]], cases: list[tuple[str, dict]]) -> None:
+def assert_exact(results: list[list[dict]], cases: list[tuple[str, dict]]) -> None:
     for per_rank in results:
         for (name, kw), r in zip(cases, per_rank):
             assert all(r[e] <= TOL for e in ("loss_err", "grad_err", "param_err", "buffer_err")), (name, kw, r)
 
 
 def test_families_match_their_own_forward_at_pp2_tp2(world):
-    _assert_exact(world(4).run(_run_all, CASES4), CASES4)
+    assert_exact(world(4).run(run_all, CASES4), CASES4)
 
 
 def test_families_match_with_dp2_and_uneven_padding(world):
-    _assert_exact(world(8).run(_run_all, CASES8), CASES8)
+    assert_exact(world(8).run(run_all, CASES8), CASES8)
 
 
 def test_v_schedule_puts_both_tied_copies_on_rank_0(world):

@@ -29,13 +29,11 @@ from pp_tp._torch import FakeTensor, all_to_all_single_autograd, swap_parameters
 @dataclass
 class ExpertDispatch:
     """How one experts module reaches its experts: `n_experts` in all, this rank's contiguous share over `ep`
-    (None: all local), feature-sharded over `tp` (None: whole). `counts` holds the last call's tokens per expert
-    (over the EP group), for load statistics."""
+    (None: all local), feature-sharded over `tp` (None: whole)."""
 
     n_experts: int
     ep: DeviceMesh | None
     tp: DeviceMesh | None
-    counts: torch.Tensor | None = None
 
     @property
     def local_experts(self) -> int:
@@ -58,7 +56,6 @@ class ExpertDispatch:
         if isinstance(flat, FakeTensor):  # the planner's shape-only run: routing has no values, assume it balanced
             slots, ids, send, recv = self._balanced(slots)
         elif self.ep is None:
-            self.counts = torch.bincount(flat, minlength=self.n_experts)
             ids = flat[order]
         else:
             slots, ids, send, recv = self._send(slots, torch.bincount(flat, minlength=self.n_experts))
@@ -94,7 +91,6 @@ class ExpertDispatch:
         every = torch.empty(ep * self.n_experts, dtype=counts.dtype, device=counts.device)
         dist.all_gather_into_tensor(every, counts, group=self.ep.get_group())
         every = every.view(ep, self.n_experts)
-        self.counts = every.sum(0)
         mine = every[:, self.ep.get_local_rank() * local :][:, :local]  # [source rank, local expert]
         send = counts.view(ep, local).sum(1).tolist()
         recv = mine.sum(1).tolist()
