@@ -64,7 +64,6 @@ class ExpertDispatch:
             out = forward(module, slots, ids.unsqueeze(1), ones)
         if self.ep is not None:  # no slot for any local expert still gives them a (zero) gradient, as in the plain
             out = out + sum(t.flatten()[0] * 0 for t in local)  # model, so every rank reduces and steps them
-        if self.ep is not None:
             out = wait_tensor(all_to_all_single_autograd(out, send, recv, self.ep.get_group()))
         if self.tp is not None:
             out = _all_reduce(out, self.tp)

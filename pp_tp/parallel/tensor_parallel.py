@@ -188,6 +188,13 @@ def verify(module: nn.Module, plan: Mapping[str, str]) -> PlanReport:
     return PlanReport(resolved, unmatched, unsharded, unplanned)
 
 
+def rules_present(plan: Mapping[str, str], blocks: Iterable[nn.Module]) -> dict[str, str]:
+    """The rules of `plan` that match a submodule of some block: a family's plan covers every config of it
+    (dense and MoE layers, shared experts, ...), a model's layout keeps what this model has."""
+    names = {n for block in blocks for n, _ in block.named_modules() if n}
+    return {rule: style for rule, style in plan.items() if any(matches_rule(rule, n) for n in names)}
+
+
 def block_plan(block: nn.Module, layout: ModelLayout, where: str = "") -> dict[str, str]:
     """A block's own `_tp_plan` if it declares one, else the layout's rules this block has (a model may mix dense
     and MoE blocks) plus its q/k norms; then the column/row pairs it declares with `_tp_col` / `_tp_row`

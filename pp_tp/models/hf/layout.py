@@ -26,7 +26,7 @@ from pp_tp.models.hf.buffers import init_buffers
 from pp_tp.models.hf.extras import after_embed, after_head
 from pp_tp.models.hf.self_check import self_check
 from pp_tp.models.hf.tp_plan import block_experts, block_tp_plan
-from pp_tp.parallel.tensor_parallel import matches_rule
+from pp_tp.parallel.tensor_parallel import rules_present
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -250,8 +250,7 @@ def compose(model: nn.Module) -> ModelLayout:
     attention = next((n for n, m in blocks[0].named_children() if "Attention" in type(m).__name__), "self_attn")
     tp_plan, tp_refusal = block_tp_plan(model, blocks_key)
     # The family's plan covers every config of it (dense layers, shared experts, ...): keep what this one has.
-    names = {n for b in blocks for n, _ in b.named_modules() if n}
-    tp_plan = {rule: style for rule, style in tp_plan.items() if any(matches_rule(rule, n) for n in names)}
+    tp_plan = rules_present(tp_plan, blocks)
     experts, experts_tp = block_experts(model, blocks_key)
     tp_refusal = tp_refusal or _kernel_dropout(model)
     return dataclasses.replace(

@@ -9,6 +9,7 @@ from torch import nn
 from pp_tp.layout import ModelDims, ModelLayout
 from pp_tp.models.reference.model import Transformer, document_mask, param_init_std, rope_cache
 from pp_tp.models.reference.moe import init_expert_bias
+from pp_tp.parallel.tensor_parallel import rules_present
 
 
 def _dims(model: Transformer) -> ModelDims:
@@ -27,12 +28,10 @@ def _specialize(model: Transformer) -> ModelLayout:
     experts, shared experts as dense TP MLPs, and only the rules some block has (MoE layers hold no w1/w2/w3)."""
     if not model.args.n_experts:
         return REFERENCE
-    rules = {**BLOCK_TP_PLAN, **SHARED_EXPERTS_TP_PLAN}
-    names = {n for block in model.layers.children() for n, _ in block.named_modules() if n}
     return dataclasses.replace(
         REFERENCE,
         specialize=None,
-        tp_plan={rule: style for rule, style in rules.items() if rule in names},
+        tp_plan=rules_present({**BLOCK_TP_PLAN, **SHARED_EXPERTS_TP_PLAN}, model.layers.children()),
         experts=("feed_forward.experts",),
         experts_tp=True,
     )
