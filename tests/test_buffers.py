@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import transformers as T
-from test_hf_families import _assert_exact, _run_all, _state, make
+from test_hf_families import _state, assert_exact, make, run_all
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 import pp_tp
@@ -40,8 +40,8 @@ WITH_BUFFERS = {"deepseek_v3", "exaone_moe", "minimax_m2", "apertus"}
 
 
 def test_buffer_and_mla_families_match_their_own_forward(world):
-    results = world(4).run(_run_all, CASES)
-    _assert_exact(results, CASES)
+    results = world(4).run(run_all, CASES)
+    assert_exact(results, CASES)
     for (name, _), per_pp in zip(CASES, zip(*results)):
         if name in WITH_BUFFERS:  # the comparison really covered buffers on every rank
             assert all(r["buffers"] > 0 for r in per_pp), (name, per_pp)
