@@ -74,24 +74,33 @@ def llama3_config(tied: bool = False, fused: bool = True):
 def qwen3_config():
     """torchtitan's qwen3 dense model, shrunk and untied: head_dim 32 != dim / n_heads, per-head q/k norms."""
     from torchtitan.models.common.rope import CosSinRoPE
-    from torchtitan.models.qwen3 import Qwen3Model, _build_qwen3_layers, _qwen3_norm
+    from torchtitan.models.qwen3 import _build_qwen3_layers
 
     rope = CosSinRoPE.Config(dim=32, max_seq_len=32, theta=1000000.0)
     layers = _build_qwen3_layers(
         n_layers=LAYERS, dim=DIM, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=128, rope=rope, attn_backend="flex"
     )
-    return Qwen3Model.Config(
+    return _qwen3_model(_sdpa(layers))
+
+
+def _ends() -> dict:
+    """Embedding and untied head of the shrunk qwen3 and deepseek_v3 models."""
+    return dict(
         vocab_size=VOCAB,
         dim=DIM,
-        norm=_qwen3_norm(DIM),
         tok_embeddings=Embedding.Config(
             num_embeddings=VOCAB, embedding_dim=DIM, param_init={"weight": torch.nn.init.normal_}
         ),
         lm_head=Linear.Config(
             in_features=DIM, out_features=VOCAB, param_init={"weight": partial(torch.nn.init.normal_, std=0.02)}
         ),
-        layers=_sdpa(layers),
     )
+
+
+def _qwen3_model(layers: list):
+    from torchtitan.models.qwen3 import Qwen3Model, _qwen3_norm
+
+    return Qwen3Model.Config(norm=_qwen3_norm(DIM), layers=layers, **_ends())
 
 
 class Fp32GroupedExperts(GroupedExperts):
@@ -123,25 +132,14 @@ def _fp32_experts(layers: list) -> list:
 def qwen3_moe_config():
     """torchtitan's qwen3 MoE, shrunk: 8 experts, top-2, softmax router with route_norm, fused qkv."""
     from torchtitan.models.common.rope import CosSinRoPE
-    from torchtitan.models.qwen3 import Qwen3Model, _build_qwen3_moe_layers, _qwen3_norm
+    from torchtitan.models.qwen3 import _build_qwen3_moe_layers
 
     layers = _build_qwen3_moe_layers(
         n_layers=LAYERS, dim=DIM, n_heads=4, n_kv_heads=2, head_dim=16, moe_hidden_dim=32, num_experts=EXPERTS,
         top_k=2, attn_backend="flex", moe_comm_backend="standard",
         rope=CosSinRoPE.Config(dim=16, max_seq_len=32, theta=1000000.0),
     )  # fmt: skip
-    return Qwen3Model.Config(
-        vocab_size=VOCAB,
-        dim=DIM,
-        norm=_qwen3_norm(DIM),
-        tok_embeddings=Embedding.Config(
-            num_embeddings=VOCAB, embedding_dim=DIM, param_init={"weight": torch.nn.init.normal_}
-        ),
-        lm_head=Linear.Config(
-            in_features=DIM, out_features=VOCAB, param_init={"weight": partial(torch.nn.init.normal_, std=0.02)}
-        ),
-        layers=_fp32_experts(layers),
-    )
+    return _qwen3_model(_fp32_experts(layers))
 
 
 def deepseek_v3_config():
@@ -157,19 +155,8 @@ def deepseek_v3_config():
         attn_backend="flex", moe_comm_backend="standard", non_blocking_capacity_factor=None,
         rope=ComplexRoPE.Config(dim=8, max_seq_len=32, theta=10000.0),
     )  # fmt: skip
-    return DeepSeekV3Model.Config(
-        vocab_size=VOCAB,
-        dim=DIM,
-        tok_embeddings=Embedding.Config(
-            num_embeddings=VOCAB, embedding_dim=DIM, param_init={"weight": torch.nn.init.normal_}
-        ),
-        norm=RMSNorm.Config(normalized_shape=DIM, param_init={"weight": torch.nn.init.ones_}),
-        lm_head=Linear.Config(
-            in_features=DIM, out_features=VOCAB, param_init={"weight": partial(torch.nn.init.normal_, std=0.02)}
-        ),
-        layers=_fp32_experts(layers),
-        mtp_layers=[],
-    )
+    norm = RMSNorm.Config(normalized_shape=DIM, param_init={"weight": torch.nn.init.ones_})
+    return DeepSeekV3Model.Config(norm=norm, layers=_fp32_experts(layers), mtp_layers=[], **_ends())
 
 
 CONFIGS = {
