@@ -57,7 +57,11 @@ class ModelLayout:
     ``tp_refusal``: why this model cannot run with parallel.tp > 1 (raised in one line), or None.
     ``experts``: block-relative names (``*`` matches one component) of mixture-of-experts experts modules: 3-D
     parameters with the expert on dim 0, called as ``experts(hidden [T, D], top_k_index [T, k], top_k_weights
-    [T, k])`` (transformers' MoE experts). Expert parallel (parallel.ep) splits them over the EP ranks.
+    [T, k])`` (transformers' MoE experts), or as ``experts(tokens sorted by expert [N, D], tokens_per_expert [E])``
+    (torchtitan's grouped experts). Expert parallel (parallel.ep) splits them over the EP ranks.
+    ``expert_bias``: block-relative names (``*`` matches one component) of per-layer fp32 expert-bias buffers [E]
+    that shift the expert choice only (aux-loss-free balancing, DeepSeek-V3); the update is
+    ``bias += rate * sign(mean_e(c) - c_e)``, c = tokens_per_expert of that layer over the step and all DP ranks.
     ``experts_tp``: the model declares tensor parallelism of its experts (packed gate/up split per part, down
     row-parallel); without it parallel.tp > 1 is refused for a model with experts.
     ``specialize(model)``: for a layout that matches a whole family (e.g. every Hugging Face decoder LM), the
@@ -90,6 +94,7 @@ class ModelLayout:
     static_block_inputs: bool = False
     experts: tuple[str, ...] = ()
     experts_tp: bool = False
+    expert_bias: tuple[str, ...] = ()
     pre: tuple[str, ...] = ()
     post: tuple[str, ...] = ()
 

@@ -41,11 +41,11 @@ def _ac_mode(ac_config: Any) -> str:
 
 
 def _refuse_unsupported(parallelism: Any, training: Any) -> None:
-    for key in ("context_parallel_degree", "expert_parallel_degree"):
-        if getattr(parallelism, key, 1) > 1:
-            raise ConfigError(
-                f"parallelism.{key} = {getattr(parallelism, key)}: not supported by pp_tp's pipelining_fn; set it to 1"
-            )
+    if parallelism.context_parallel_degree > 1:
+        raise ConfigError(
+            f"parallelism.context_parallel_degree = {parallelism.context_parallel_degree}: not supported by pp_tp's "
+            "pipelining_fn; set it to 1"
+        )
     if getattr(parallelism, "module_fqns_per_model_part", None):
         raise ConfigError(
             "parallelism.module_fqns_per_model_part: pp_tp's pipelining_fn splits stages itself; leave it unset"
@@ -70,6 +70,7 @@ def parallel_config(
             tp=parallelism.tensor_parallel_degree,
             dp_replicate=parallelism.data_parallel_replicate_degree,
             dp_shard=parallelism.data_parallel_shard_degree,
+            ep=parallelism.expert_parallel_degree,
             schedule=parallelism.pipeline_parallel_schedule_csv or parallelism.pipeline_parallel_schedule,
             microbatches=training.local_batch_size // parallelism.pipeline_parallel_microbatch_size,
             fsdp_reshard_after_forward=parallelism.fsdp_reshard_after_forward,

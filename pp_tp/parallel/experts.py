@@ -5,12 +5,17 @@ become DTensors: Shard(0), the expert dim, over "ep" (each EP rank a contiguous 
 the packed gate/up split per part (every rank keeps matching gate and up rows) and down split on its input dim.
 `.full_tensor()` gives every expert, so checkpoints stay layout-free. The module's class gains a forward that
 dispatches tokens (pp_tp.parallel.expert_dispatch) around the family's own forward, run on local experts.
+Two calling conventions: routed, `experts(hidden [T, D], top_k_index [T, k], top_k_weights [T, k])`
+(transformers, the reference MoE), and grouped, `experts(tokens sorted by expert [N, D], tokens_per_expert [E])`
+(torchtitan's GroupedExperts, after its own reorder; its caller applies the routing scores). A grouped call is
+dispatched as a routed one with k = 1 and unit weights (exact: x * 1 and 0 + x), its local forward gets its
+tokens sorted by local expert again.
 """
 
 from __future__ import annotations
 
 import inspect
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 import torch
@@ -32,6 +37,18 @@ _GATE_UP, _DOWN = "gate_up_proj", "down_proj"
 def experts_modules(block: nn.Module, layout: ModelLayout) -> list[tuple[str, nn.Module]]:
     """The block's experts modules (block-relative name, module) the layout declares."""
     return [(n, m) for n, m in block.named_modules() if n and any(matches_rule(r, n) for r in layout.experts)]
+
+
+def grouped(module: nn.Module) -> bool:
+    """Called as experts(tokens sorted by expert, tokens_per_expert) (torchtitan), not the routed convention."""
+    return len(inspect.signature(module.forward).parameters) == 2
+
+
+def routing_counts(module: nn.Module, args: tuple, n: int) -> torch.Tensor:
+    """The routing slots per expert [n] (int64) of one call of an experts module, in either convention."""
+    if grouped(module):
+        return args[1].detach().to(torch.int64)
+    return torch.bincount(args[1].detach().reshape(-1), minlength=n)
 
 
 def n_experts(module: nn.Module) -> int:
@@ -62,10 +79,10 @@ def check_experts(model: nn.Module, layout: ModelLayout, pcfg: ParallelConfig) -
                 f"{fqn} ({type(module).__name__}) is not an experts module of packed parameters sharing the expert "
                 "dim 0; set parallel.ep = 1 and parallel.tp = 1"
             )
-        if len(inspect.signature(module.forward).parameters) != 3:
+        if len(inspect.signature(module.forward).parameters) not in (2, 3):
             raise ConfigError(
-                f"{fqn} ({type(module).__name__}) is not called as experts(hidden, top_k_index, top_k_weights); "
-                "set parallel.ep = 1 and parallel.tp = 1"
+                f"{fqn} ({type(module).__name__}) is not called as experts(hidden, top_k_index, top_k_weights) nor "
+                "experts(tokens sorted by expert, tokens_per_expert); set parallel.ep = 1 and parallel.tp = 1"
             )
         count = n_experts(module)
         if count % pcfg.ep:
@@ -134,20 +151,36 @@ def shard_experts(module: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig) -> 
         shard = distribute_tensor(p.data, sub, _placements(module, name, pcfg), src_data_rank=None)
         module.register_parameter(name, nn.Parameter(shard, requires_grad=p.requires_grad))
     dispatch = ExpertDispatch(count, mesh["ep"] if pcfg.ep > 1 else None, mesh["tp"] if pcfg.tp > 1 else None)
-    if "num_experts" in vars(module):  # transformers' grouped/batched kernels size their bins by it
+    if "num_experts" in vars(module) and not grouped(module):  # transformers' kernels size their bins by it
         module.num_experts = dispatch.local_experts
     module.expert_dispatch = dispatch
-    module.__class__ = _dispatching(type(module))
+    module.__class__ = _dispatching(type(module), grouped(module))
 
 
 @cache
-def _dispatching(cls: type[nn.Module]) -> type[nn.Module]:
+def _dispatching(cls: type[nn.Module], is_grouped: bool) -> type[nn.Module]:
     """`cls` with a forward that dispatches tokens around `cls.forward` (one subclass per experts class)."""
 
     def forward(self: Any, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Any:
         return self.expert_dispatch(self, cls.forward, hidden, top_k_index, top_k_weights)
 
-    return type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__})
+    def forward_grouped(self: Any, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> Any:
+        experts = torch.arange(tokens_per_expert.numel(), device=tokens.device)
+        ids = torch.repeat_interleave(experts, tokens_per_expert, output_size=tokens.shape[0]).unsqueeze(1)
+        ones = torch.ones(tokens.shape[0], 1, dtype=tokens.dtype, device=tokens.device)
+        return self.expert_dispatch(self, partial(_grouped_local, cls.forward), tokens, ids, ones)
+
+    body = forward_grouped if is_grouped else forward
+    return type(cls.__name__, (cls,), {"forward": body, "__module__": cls.__module__})
+
+
+def _grouped_local(forward: Any, module: nn.Module, slots: torch.Tensor, ids: torch.Tensor, weights: Any) -> Any:
+    """A grouped experts forward on the dispatched slots: sorted by local expert for it, then put back.
+    `weights` are the unit ones of `forward_grouped`; the caller (torchtitan's combine) applies the scores."""
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=module.expert_dispatch.local_experts)
+    return forward(module, slots[order], counts)[torch.argsort(order)]
 
 
 def expert_dispatches(module: nn.Module) -> list[ExpertDispatch]:

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from pp_tp._torch import in_backward
 from pp_tp.layout import ModelLayout
 from pp_tp.mesh import rank_device
-from pp_tp.parallel.experts import experts_modules, n_experts
+from pp_tp.parallel.experts import experts_modules, n_experts, routing_counts
 
 
 class RoutingStats:
@@ -39,7 +39,7 @@ class RoutingStats:
             if in_backward():  # activation checkpointing's recomputation: already counted in the forward
                 return
             total = self.counts[layer]
-            total += torch.bincount(args[1].detach().reshape(-1), minlength=total.numel())
+            total += routing_counts(module, args, total.numel())
 
         return count
 

@@ -1,4 +1,4 @@
-"""torchtitan 0.3.0's decoder models (llama3, qwen3 dense): the model layout and tensor-parallel plan.
+"""torchtitan 0.3.0's decoder models (llama3, qwen3 dense and MoE, deepseek_v3): model layouts and the TP plan.
 
 A torchtitan `Decoder` keeps `tok_embeddings`, `layers` (a ModuleDict), `norm` and `lm_head`; each block is
 called as `block(h, attention_masks, positions)` and its attention owns its RoPE cache. Two layouts, as the
@@ -11,6 +11,14 @@ torchtitan's fused `wqkv` weight is laid out [n_kv_heads, heads_per_kv + 2, head
 n_kv_heads / tp whole groups: whole q, k and v heads, no new style needed (n_kv_heads % tp is checked).
 Qwen3's per-head q/k norms are replicated with their gradients summed over TP once per step.
 
+MoE models (a block with `moe_enabled`: qwen3 MoE flavors, deepseek_v3) get their own layout: torchtitan's
+router, token reorder/combine and shared experts run as they are; its GroupedExperts
+(`moe.routed_experts.inner_experts`, called with tokens sorted by expert and their counts) are the layout's
+`experts`, which expert parallel dispatches (pp_tp.parallel.experts); `moe.expert_bias_E` is the layout's
+`expert_bias`. MoE.tokens_per_expert_E keeps counting this rank's routed tokens in each forward as in
+torchtitan's own model (torchtitan's optimizer hook reads and zeroes it); pp_tp's own counts are
+`Pipeline.moe_stats`. TP of these models is refused (their attention differs per family; EP splits experts).
+
 Per-step extras (`positions`, `attention_masks`) reach the blocks through `set_step_kwargs`: one entry per
 microbatch, consumed in microbatch order by the stage's forwards (every torch schedule runs a stage's
 forwards in microbatch order).
@@ -18,6 +26,7 @@ forwards in microbatch order).
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from typing import Any
 
@@ -47,21 +56,47 @@ def _fused(model: nn.Module) -> bool:
     return hasattr(_attention(first).qkv_linear, "wqkv")
 
 
-def _dims(model: nn.Module) -> ModelDims:
+def _has_moe(model: nn.Module) -> bool:
+    return any(getattr(block, "moe_enabled", False) for block in model.layers.values())
+
+
+def _ffn_dim(block: nn.Module) -> int:
+    """The dense MLP's hidden size, or for an MoE block one expert's."""
+    if getattr(block, "moe_enabled", False):
+        return block.moe.routed_experts.inner_experts.w1_EFD.shape[1]
+    return block.feed_forward.w1.out_features
+
+
+def _check_moe(model: nn.Module) -> None:
+    """Refuses, in one line, what the MoE layout cannot run as torchtitan's own model does."""
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
+
+    if getattr(model, "mtp_layers", None):
+        raise ConfigError(
+            "torchtitan model with mtp_layers (multi-token prediction): pp_tp's stages run the main decoder only; "
+            "build the flavor with num_mtp_layers = 0"
+        )
     for key, block in model.layers.items():
-        if getattr(block, "moe_enabled", False) or not hasattr(block, "feed_forward"):
+        dispatcher = block.moe.routed_experts.token_dispatcher if getattr(block, "moe_enabled", False) else None
+        if dispatcher is not None and type(dispatcher) not in (LocalTokenDispatcher, AllToAllTokenDispatcher):
             raise ConfigError(
-                f"torchtitan model layers.{key} is a mixture-of-experts block: pp_tp's torchtitan layouts take "
-                "dense decoders only; use a dense flavor or torchtitan's own pipelining_fn"
+                f"torchtitan model layers.{key}: token dispatcher {type(dispatcher).__name__} is not supported by "
+                'pp_tp (its expert parallel replaces it); build the flavor with moe_comm_backend = "standard"'
             )
-    attn = _attention(next(iter(model.layers.values())))
+
+
+def _dims(model: nn.Module) -> ModelDims:
+    if _has_moe(model):
+        _check_moe(model)
+    first = next(iter(model.layers.values()))
+    attn = _attention(first)
     c = model.config
     return ModelDims(
         n_layers=len(model.layers),
         dim=c.dim,
         n_heads=attn.n_heads,
-        n_kv_heads=attn.n_kv_heads,
-        ffn_dim=next(iter(model.layers.values())).feed_forward.w1.out_features,
+        n_kv_heads=getattr(attn, "n_kv_heads", attn.n_heads),
+        ffn_dim=_ffn_dim(first),
         vocab_size=c.vocab_size,
         max_seq_len=c.max_seq_len,
         tied=bool(c.enable_weight_tying),
@@ -83,9 +118,11 @@ def _block_inputs(stage: nn.Module, h: torch.Tensor) -> tuple[Any, ...]:
 
 
 def _init_buffers(stage: nn.Module, model: nn.Module) -> None:
+    """Every torchtitan module's own buffers (RoPE caches; MoE expert_bias_E and tokens_per_expert_E, zeros), on
+    their own (materialized) device."""
     for m in stage.modules():
-        if type(m).__name__.endswith("RoPE") and hasattr(m, "_init_self_buffers"):
-            m._init_self_buffers(buffer_device=None)  # recomputed on the cache's own (materialized) device
+        if hasattr(m, "_init_self_buffers"):
+            m._init_self_buffers(buffer_device=None)
 
 
 _BASE_PLAN = {
@@ -103,7 +140,7 @@ def _layout(name: str, fused: bool) -> ModelLayout:
     qkv = {"attention.qkv_linear.wqkv": "colwise"} if fused else dict.fromkeys(_QKV, "colwise")
     return ModelLayout(
         name=name,
-        matches=lambda m: is_torchtitan_decoder(m) and _fused(m) == fused,
+        matches=lambda m: is_torchtitan_decoder(m) and not _has_moe(m) and _fused(m) == fused,
         dims=_dims,
         embed="tok_embeddings",
         blocks="layers",
@@ -121,3 +158,14 @@ def _layout(name: str, fused: bool) -> ModelLayout:
 
 TORCHTITAN_DECODER = _layout("torchtitan_decoder", fused=True)
 TORCHTITAN_DECODER_QKV = _layout("torchtitan_decoder_qkv", fused=False)
+TORCHTITAN_MOE = dataclasses.replace(
+    TORCHTITAN_DECODER,
+    name="torchtitan_moe",
+    matches=lambda m: is_torchtitan_decoder(m) and _has_moe(m),
+    tp_plan={},
+    qk_norms=(),
+    tp_refusal="pp_tp runs torchtitan's MoE models without tensor parallelism; set parallel.tp = 1 "
+    "(parallel.ep splits the experts)",
+    experts=("moe.routed_experts.inner_experts",),
+    expert_bias=("moe.expert_bias_E",),
+)
