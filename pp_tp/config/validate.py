@@ -10,7 +10,7 @@ from pp_tp.config.fsdp_policy import check_policy_keys, schedule_reshard
 from pp_tp.config.schema import SPLIT_ARGS, JobConfig, ParallelConfig, TrainingConfig
 from pp_tp.config.sections import check_data, check_fields_job, check_moe, check_validation
 from pp_tp.errors import ConfigError
-from pp_tp.schedules.registry import check_schedule, default_stages_per_rank, splits_weight_grad
+from pp_tp.schedules.registry import check_schedule, default_stages_per_rank
 
 
 def validate(cfg: JobConfig, world_size: int | None = None) -> JobConfig:
@@ -52,12 +52,6 @@ def resolve_parallel(pcfg: ParallelConfig, world_size: int | None = None) -> Par
     spr = p.stages_per_rank if p.stages_per_rank is not None else default_stages_per_rank(p.schedule, p.pp)
     p = dataclasses.replace(p, dp_shard=resolve_dp_shard(p, _world_size(p, world_size)), stages_per_rank=spr)
     check_ep(p.ep, p.dp_shard)
-    if p.ep > 1 and splits_weight_grad(p.schedule):
-        raise ConfigError(
-            f"parallel.ep = {p.ep} with schedule {p.schedule}: its split weight-gradient pass fails on the experts' "
-            "all-to-all (torch 2.13: backward through the graph a second time); use a schedule without split "
-            "backward (1F1B, Interleaved1F1B, GPipe, LoopedBFS) or parallel.ep = 1"
-        )
     check_policy_keys(p)
     _check_grad_accum(p)
     check_schedule(p.pp, p.stages_per_rank, p.microbatches, p.schedule, schedule_reshard(p))

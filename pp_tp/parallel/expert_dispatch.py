@@ -62,8 +62,8 @@ class ExpertDispatch:
         ones = torch.ones(ids.shape[0], 1, dtype=top_k_weights.dtype, device=ids.device)
         with local_parameters(module, 1.0 / self.ep.size() if self.ep is not None else 1.0) as local:
             out = forward(module, slots, ids.unsqueeze(1), ones)
-        if self.ep is not None:  # no slot for any local expert still gives them a (zero) gradient, as in the plain
-            out = out + sum(t.flatten()[0] * 0 for t in local)  # model, so every rank reduces and steps them
+        if self.ep is not None:
+            out = _zero_gradient_for_unreached(out, slots, local)
             out = wait_tensor(all_to_all_single_autograd(out, send, recv, self.ep.get_group()))
         if self.tp is not None:
             out = _all_reduce(out, self.tp)
@@ -116,6 +116,29 @@ def local_parameters(module: nn.Module, grad_scale: float) -> Iterator[list[torc
         yield list(local.values())
     finally:
         swap_parameters(module, saved)
+
+
+def _zero_gradient_for_unreached(out: torch.Tensor, slots: torch.Tensor, local: list[torch.Tensor]) -> torch.Tensor:
+    """`out`, joined by a zero-valued term to each local parameter the experts' forward did not use (no slot for
+    them on this rank), so every rank still gives them a (zero) gradient, as the plain model does, and reduces and
+    steps them.
+
+    Only unused parameters are joined, each reaching the graph through that one node: a split backward
+    (zero-bubble schedules, torch's stage_backward_input / stage_backward_weight) groups parameters by the nodes
+    where they meet the input's gradient path, and a node shared with parameters that meet it elsewhere too
+    yields overlapping groups (measured on torch 2.13: "Trying to backward through the graph a second time").
+    The walk stops at the slots, so it stays within this call's expert computation."""
+    wanted = {t.grad_fn: t for t in local if t.grad_fn is not None}
+    todo, seen = [out.grad_fn], {slots.grad_fn}
+    while todo and wanted:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if wanted.pop(node, None) is None:
+            todo.extend(fn for fn, _ in node.next_functions)
+    unused = list(wanted.values())
+    return out + sum(t.flatten()[0] * 0 for t in unused) if unused else out
 
 
 def _grad_all_reduce(x: torch.Tensor, tp: DeviceMesh) -> torch.Tensor:
