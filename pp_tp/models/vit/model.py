@@ -15,21 +15,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pp_tp.models.credit.model import CreditArgs
+
 
 @dataclass(frozen=True)
-class ViTArgs:
+class ViTArgs(CreditArgs):
+    """CREDIT's image and width keys (its grid is the image), RGB by default, and the classes."""
+
     channels: int = 3
-    image_size: int = 16  # images are image_size x image_size
-    patch_size: int = 4
-    dim: int = 32
-    n_layers: int = 4
-    n_heads: int = 4
-    ffn_dim: int = 64
     n_classes: int = 10
 
     @property
     def n_patches(self) -> int:
-        return (self.image_size // self.patch_size) ** 2
+        return self.grid**2
 
 
 class Patches(nn.Module):
