@@ -13,14 +13,48 @@ dim * 4 (fp32); backward moves the same rows again.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterable, Iterator
+from types import ModuleType
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 from harness import World  # noqa: E402
+from torch import nn  # noqa: E402
 
 DIM, EXPERTS, TOP_K, BATCH, SEQ, MICROBATCHES = 64, 8, 2, 8, 64, 2
+
+
+@contextlib.contextmanager
+def routed_rows(dispatch: ModuleType, models: Iterable[nn.Module], ep: int, rank: int, experts: int, dim: int
+                ) -> Iterator[dict[str, int]]:  # fmt: skip
+    """While open, counts on this rank the rows the forward token all-to-alls send off-rank ("sent": `dispatch`'s
+    `all_to_all_single_autograd` is wrapped, the name an EP dispatch calls, pp_tp's or transformers') and the
+    analytic minimum ("minimum": routing slots whose expert lives on another rank, from the `top_k_index` every
+    module named "...experts" receives)."""
+    counts = {"sent": 0, "minimum": 0, "calls": 0}
+    local, original = experts // ep, dispatch.all_to_all_single_autograd
+
+    def counting(x, recv, send, group):
+        if x.requires_grad and len(send) == ep and x.shape[0] == sum(send) and x.shape[-1] == dim:
+            counts["sent"] += sum(send) - send[rank]  # rows that leave this rank
+            counts["calls"] += 1
+        return original(x, recv, send, group)
+
+    def analytic(module, inputs):
+        counts["minimum"] += int((inputs[1].reshape(-1) // local != rank).sum())
+
+    hooks = [m.register_forward_pre_hook(analytic) for model in models for name, m in model.named_modules()
+             if name.endswith("experts")]  # fmt: skip
+    dispatch.all_to_all_single_autograd = counting
+    try:
+        yield counts
+    finally:
+        dispatch.all_to_all_single_autograd = original
+        for h in hooks:
+            h.remove()
 
 
 def case(ep: int) -> dict:
@@ -36,31 +70,12 @@ def case(ep: int) -> dict:
     pcfg = pu.pcfg_of(pp=1, dp_shard=4, ep=ep, microbatches=MICROBATCHES)
     mesh = pu.mesh_for(pcfg)
     pipe = pp_tp.build_pipeline(pu.make_model(args, device="meta"), mesh, pcfg, seed=0)
-    rank, local = mesh["ep"].get_local_rank(), EXPERTS // ep
-    sent, minimum, calls = [0], [0], [0]
-    original = expert_dispatch.all_to_all_single_autograd
-
-    def counting(x, recv, send, group):
-        if x.requires_grad and len(send) == ep and x.shape[0] == sum(send) and x.shape[-1] == DIM:
-            sent[0] += sum(send) - send[rank]  # rows that leave this rank
-            calls[0] += 1
-        return original(x, recv, send, group)
-
-    def analytic(module, inputs):
-        index = inputs[1].reshape(-1)
-        minimum[0] += int((index // local != rank).sum())
-
-    expert_dispatch.all_to_all_single_autograd = counting
-    for part in pipe.model_parts:
-        for name, m in part.named_modules():
-            if name.endswith("experts"):
-                m.register_forward_pre_hook(analytic)
     ids, labels = pu.batch(args, BATCH, SEQ)
     share = slice(pp_tp.mesh.dp_rank(mesh) * 2, pp_tp.mesh.dp_rank(mesh) * 2 + 2)
-    pipe.step(ids[share], labels[share])
-    expert_dispatch.all_to_all_single_autograd = original
+    with routed_rows(expert_dispatch, pipe.model_parts, ep, mesh["ep"].get_local_rank(), EXPERTS, DIM) as counts:
+        pipe.step(ids[share], labels[share])
     tokens = 2 * SEQ * args.n_layers  # this rank's tokens over the step, per MoE layer summed
-    return {"sent": sent[0], "minimum": minimum[0], "calls": calls[0], "slots": tokens * TOP_K}
+    return {**counts, "slots": tokens * TOP_K}
 
 
 def main() -> None:

@@ -10,18 +10,19 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from nonlm_models import ViT
 from parity_utils import adamw, assert_parity, mesh_for, pcfg_of
 from torch import nn
 from train_utils import REPO
 
 import pp_tp
 from pp_tp.cli.job import check_job
+from pp_tp.cli.parity import run_parity
 from pp_tp.config import load_config
 from pp_tp.config.schema import LOSS_NAMES
 from pp_tp.diagnostics.comm_ledger import CommLedger
 from pp_tp.errors import ConfigError
 from pp_tp.models.credit import CREDIT, CreditArgs, CreditModel
+from pp_tp.models.vit import ViT, ViTArgs
 from pp_tp.parallel.tensor_parallel import check_tp_plan
 from pp_tp.parity import PipelineRun, ReferenceRun, dp_share, lockstep
 from pp_tp.planner import plan_job
@@ -30,6 +31,7 @@ from pp_tp.runtime.loss import LOSSES, SumLoss
 from pp_tp.train.trainer import train
 
 CREDIT_ARGS = CreditArgs(channels=4, image_size=16, patch_size=4, dim=32, n_layers=2, n_heads=4, ffn_dim=64)
+VIT_ARGS = ViTArgs(channels=3, image_size=16, patch_size=4, dim=32, n_layers=2, n_heads=4, ffn_dim=64, n_classes=10)
 
 
 def focal_sum(out: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
@@ -40,7 +42,7 @@ def focal_sum(out: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
 def _model(kind: str, device: str = "cpu") -> nn.Module:
     """The model of `kind`: credit, vit, or credit_ri (credit whose MLP takes its input as one Replicate DTensor)."""
     with torch.device(device):
-        model = ViT(depth=2) if kind == "vit" else CreditModel(CREDIT_ARGS)
+        model = ViT(VIT_ARGS) if kind == "vit" else CreditModel(CREDIT_ARGS)
     for block in model.blocks if kind == "credit_ri" else ():
         block._tp_plan = {"mlp": "replicate_input"}
     return model
@@ -118,21 +120,26 @@ CASES = [
 
 
 CREDIT_TOML = os.path.join(REPO, "toml_configs", "credit_cpu.toml")
+VIT_TOML = os.path.join(REPO, "toml_configs", "vit_cpu.toml")
 TRAIN_STEPS = ["training.steps=8", "training.log_every=1", 'training.metrics_file=""', "training.warmup_steps=1"]
+# The shipped ViT job (its model, labelled images and cross-entropy from the TOML) at pp2 x dp2 FSDP, smaller.
+VIT_FSDP = ["parallel.tp=1", "parallel.dp_shard=2", "parallel.microbatches=2", "training.batch_size=8", "model.dim=32"]
 
 
-def _all_cases() -> tuple[list[dict], list[float]]:
-    """Every parity case, then the shipped CREDIT TOML trained for a few steps (its losses)."""
+def _all_cases() -> tuple[list[dict], list[float], int]:
+    """Every parity case, the shipped CREDIT TOML trained for a few steps (its losses), then `pp-tp parity`'s
+    per-rank run on the shipped ViT TOML at pp2 x dp2 FSDP (0 when every step is within 1e-5)."""
     parity = [_compare(kind, loss, norm, **kw) for kind, loss, norm, kw in CASES]
     rows = train(load_config(CREDIT_TOML, TRAIN_STEPS))
-    return parity, [r["loss"] for r in rows]
+    return parity, [r["loss"] for r in rows], run_parity(load_config(VIT_TOML, VIT_FSDP), 2, 1e-5)
 
 
-def test_nonlm_parity_tp_collectives_and_credit_toml(world):
+def test_nonlm_parity_tp_collectives_and_shipped_tomls(world):
     out = world(4).run(_all_cases)
     per_rank = [o[0] for o in out]
     losses = out[0][1]
     assert len(losses) == 8 and losses[-1] < 0.7 * losses[0], losses  # MSE on the synthetic fields falls
+    assert [o[2] for o in out] == [0] * 4  # the ViT from its TOML: loss, grads, params like its plain build
     for i, (kind, loss, norm, kw) in enumerate(CASES):
         results = [r[i] for r in per_rank]
         try:
@@ -194,6 +201,8 @@ def test_credit_job_rules_and_planner_refusal():
     assert "'credit' is not a language model" in msg
     msg = _refusal(lambda: load_config(CREDIT_TOML, ['data.source="synthetic"'], world_size=4))
     assert "model.kind = 'credit' with data.source = 'synthetic'" in msg
+    msg = _refusal(lambda: load_config(VIT_TOML, ['data.source="fields"'], world_size=4))
+    assert msg.startswith("model.kind = 'vit' with data.source = 'fields': model.kind = \"credit\" with"), msg
     assert "not a language model" in _refusal(lambda: plan_job(cfg, 4))
     lm = os.path.join(REPO, "toml_configs", "debug_cpu.toml")
     assert "drop training.loss" in _refusal(lambda: load_config(lm, ['training.loss="mse"'], world_size=4))

@@ -56,7 +56,8 @@ class ModelConfig(ModelShape):
     `hf_path = "DIR"` builds any Hugging Face decoder LM from DIR/config.json (its shape keys then come
     from config.json, and any given beside it must agree). `kind = "credit"` builds the CREDIT-style weather
     model (pp_tp.models.credit) from dim, n_layers, n_heads, ffn_dim and its grid keys: `channels` variables
-    on an `image_size` x `image_size` grid cut into `patch_size` patches."""
+    on an `image_size` x `image_size` grid cut into `patch_size` patches; `kind = "vit"` a ViT classifier
+    (pp_tp.models.vit) of the same keys, its images of `channels` channels, into `n_classes` classes."""
 
     kind: str = "reference"
     hf_path: str = ""
@@ -64,6 +65,7 @@ class ModelConfig(ModelShape):
     channels: int = 4
     image_size: int = 16
     patch_size: int = 4
+    n_classes: int = 10
 
 
 @dataclass
@@ -140,7 +142,9 @@ class DataConfig:
     """`[data]`: where the tokens come from. `text` and `synthetic` are byte-level (or `tokenizer`-encoded text);
     `tokens` reads pre-tokenized flat files (`paths` globs, one mixture component each, drawn by `weights`);
     `dataset` tokenizes jsonl / parquet / arrow files or a saved `datasets` directory's `text_field` on the fly.
-    `document_mask` restarts position ids after every EOS and keeps attention inside each document."""
+    `document_mask` restarts position ids after every EOS and keeps attention inside each document. `fields`
+    (gridded fields, train/fields.py) and `images` (labelled images, train/images.py) are synthetic data for the
+    models that are not language models (NON_LM_DATA)."""
 
     source: str = "synthetic"
     path: str = ""
@@ -186,10 +190,13 @@ class JobConfig:
 # `[training] loss` names (pp_tp.runtime.loss.LOSSES implements them, each summed and divided by the global count).
 LOSS_NAMES = ("mse", "l1", "cross_entropy")
 
+# The models that are not language models (`model.kind`) and the synthetic data each trains on (`data.source`).
+NON_LM_DATA = {"credit": "fields", "vit": "images"}
+
 # Allowed strings per section and key. A str|int field (fsdp_reshard_after_forward, fsdp_grad_reduce) is
 # checked here only when it holds a string.
 CHOICES: dict[str, dict[str, tuple[str, ...]]] = {
-    "model": {"kind": ("reference", "hf_llama", "credit"), "router": ("softmax", "sigmoid")},
+    "model": {"kind": ("reference", "hf_llama", "credit", "vit"), "router": ("softmax", "sigmoid")},
     "training": {"loss": ("", *LOSS_NAMES)},
     "parallel": {
         "split": ("even", "weighted", "balanced", "layers_per_stage", "explicit"),
@@ -200,7 +207,7 @@ CHOICES: dict[str, dict[str, tuple[str, ...]]] = {
         "activation_checkpoint": ("none", "full", "selective"),
         "embedding": ("auto", "replicate", "vocab_parallel"),
     },
-    "data": {"source": ("synthetic", "text", "tokens", "dataset", "fields"), "dtype": ("uint16", "uint32")},
+    "data": {"source": ("synthetic", "text", "tokens", "dataset", "fields", "images"), "dtype": ("uint16", "uint32")},
 }
 
 # (key, lower bound, whether the bound itself is allowed). dp_shard (-1 allowed) has its own check.
@@ -221,6 +228,7 @@ BOUNDS: dict[str, tuple[tuple[str, float, bool], ...]] = {
                 "patch_size",
             )
         ),  # fmt: skip
+        ("n_classes", 2, True),
         *((k, 1, True) for k in ("top_k", "moe_ffn_dim", "moe_every")),
         ("n_experts", 0, True),
         ("n_shared_experts", 0, True),

@@ -1,13 +1,21 @@
-"""Cross-key checks of the `[data]` and `[validation]` sections, the `[model]` experts keys and the gridded-fields
-job (kept apart from validate.py, which is near its size limit). What needs the files themselves (globs matching
-nothing, sizes, token ids, columns) is checked when the source opens (`pp_tp.train.sources.make_source`, run by
-`pp-tp check` and by every rank before any collective)."""
+"""Cross-key checks of the `[data]` and `[validation]` sections, the `[model]` experts keys and the jobs of models
+that are not language models (kept apart from validate.py, which is near its size limit). What needs the files
+themselves (globs matching nothing, sizes, token ids, columns) is checked when the source opens
+(`pp_tp.train.sources.make_source`, run by `pp-tp check` and by every rank before any collective)."""
 
 from __future__ import annotations
 
 import os
 
-from pp_tp.config.schema import CHOICES, DataConfig, JobConfig, ModelConfig, ModelShape, ValidationConfig
+from pp_tp.config.schema import (
+    CHOICES,
+    NON_LM_DATA,
+    DataConfig,
+    JobConfig,
+    ModelConfig,
+    ModelShape,
+    ValidationConfig,
+)
 from pp_tp.errors import ConfigError
 
 
@@ -63,26 +71,30 @@ def check_moe(m: ModelShape) -> None:
         )
 
 
-def check_fields_job(cfg: JobConfig) -> None:
-    """The CREDIT-style model reads gridded fields (data.source = "fields") and only it does, and only it takes a
-    training.loss; its grid splits into patches and its width into heads."""
-    m = cfg.model
-    if (m.kind == "credit") != (cfg.data.source == "fields"):
+def check_non_lm_job(cfg: JobConfig) -> None:
+    """A model that is not a language model (NON_LM_DATA: CREDIT on gridded fields, the ViT on labelled images)
+    reads its own synthetic data and only it does, and only such a model takes a training.loss; its image splits
+    into patches and its width into heads."""
+    m, source = cfg.model, cfg.data.source
+    own = NON_LM_DATA.get(m.kind)
+    if own != source and (own or source in NON_LM_DATA.values()):
+        pairs = " and ".join(f'model.kind = "{k}" with data.source = "{s}"' for k, s in NON_LM_DATA.items())
         raise ConfigError(
-            f'model.kind = {m.kind!r} with data.source = {cfg.data.source!r}: gridded fields ("fields") go with '
-            'model.kind = "credit" and only with it; set both or neither'
+            f"model.kind = {m.kind!r} with data.source = {source!r}: {pairs} go together and only together; "
+            "set both or neither"
         )
-    if cfg.training.loss and m.kind != "credit":
+    if cfg.training.loss and not own:
         raise ConfigError(
             f"training.loss = {cfg.training.loss!r} is for models that are not language models (model.kind = "
-            '"credit"); a language model trains on its token loss, so drop training.loss'
+            f"{' or '.join(repr(k) for k in NON_LM_DATA)}); a language model trains on its token loss, so drop "
+            "training.loss"
         )
-    if m.kind == "credit" and m.image_size % m.patch_size:
+    if own and m.image_size % m.patch_size:
         raise ConfigError(
             f"model.image_size = {m.image_size} is not divisible by model.patch_size = {m.patch_size}; "
             "pick a patch size dividing the grid"
         )
-    if m.kind == "credit" and m.dim % m.n_heads:
+    if own and m.dim % m.n_heads:
         raise ConfigError(f"model.dim = {m.dim} is not divisible by model.n_heads = {m.n_heads}; change either")
 
 

@@ -13,6 +13,7 @@ from pp_tp.layout import layout_for
 from pp_tp.models.credit.model import CreditArgs, CreditModel
 from pp_tp.models.hf.build import hf_causal_lm, hf_config
 from pp_tp.models.reference.model import ModelArgs, Transformer
+from pp_tp.models.vit.model import ViT, ViTArgs
 
 
 def model_args(mcfg: ModelConfig) -> ModelArgs:
@@ -57,7 +58,7 @@ def resolve_model_config(mcfg: ModelConfig) -> ModelConfig:
 def build_model(mcfg: ModelConfig, device: str | torch.device = "meta") -> nn.Module:
     """`hf_path`: the Hugging Face causal LM of DIR/config.json; `kind = "reference"`: our Transformer;
     `kind = "hf_llama"`: a transformers LlamaForCausalLM of the same shape; `kind = "credit"`: the CREDIT-style
-    weather model."""
+    weather model; `kind = "vit"`: the ViT classifier."""
     if mcfg.hf_path:
         return hf_causal_lm(hf_config(mcfg.hf_path), device)
     if mcfg.kind == "credit":
@@ -65,6 +66,11 @@ def build_model(mcfg: ModelConfig, device: str | torch.device = "meta") -> nn.Mo
         args = CreditArgs(m.channels, m.image_size, m.patch_size, m.dim, m.n_layers, m.n_heads, m.ffn_dim)
         with torch.device(device):
             return CreditModel(args)
+    if mcfg.kind == "vit":
+        m = mcfg
+        args = ViTArgs(m.channels, m.image_size, m.patch_size, m.dim, m.n_layers, m.n_heads, m.ffn_dim, m.n_classes)
+        with torch.device(device):
+            return ViT(args)
     args = model_args(mcfg)
     if mcfg.kind == "hf_llama":
         from transformers import LlamaConfig, LlamaForCausalLM

@@ -12,6 +12,7 @@ from pp_tp.errors import ConfigError
 from pp_tp.train.data import VOCAB, SyntheticSource, TextSource
 from pp_tp.train.documents import DatasetDocuments
 from pp_tp.train.fields import SyntheticFields
+from pp_tp.train.images import SyntheticImages
 from pp_tp.train.loader import ShardedBatches, Source
 from pp_tp.train.packing import PackedBatches
 from pp_tp.train.text_tokens import eos_id, load_tokenizer, train_windows
@@ -70,9 +71,11 @@ def _document_eos(eos: int | None, cfg: JobConfig) -> int | None:
 
 def make_source(cfg: JobConfig) -> WindowData | DocumentData:
     """The job's data; every check on the files runs here, before any process group (one line each)."""
-    d, t, vocab = cfg.data, cfg.training, cfg.model.vocab_size
+    d, t, m, vocab = cfg.data, cfg.training, cfg.model, cfg.model.vocab_size
     if d.source == "fields":
-        return WindowData([SyntheticFields(t.seed, cfg.model.channels, cfg.model.image_size)], None, None, cfg)
+        return WindowData([SyntheticFields(t.seed, m.channels, m.image_size)], None, None, cfg)
+    if d.source == "images":
+        return WindowData([SyntheticImages(t.seed, m.channels, m.image_size, m.n_classes)], None, None, cfg)
     if d.source == "tokens":
         comps = [
             TokenComponent(expand(p, key), d.dtype, t.seq_len, vocab, f"{key} = {p!r}") for p, key in _patterns(cfg)

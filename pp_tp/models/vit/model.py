@@ -1,28 +1,48 @@
-"""A small ViT-like classifier for the non-LM tests: patch embedding -> blocks on [B, N, D] tokens -> norm, mean
-pool, linear head. Its attention is planned with `_tp_plan` (the existing mechanism) and its MLP declared with
-`_tp_col` / `_tp_row`, so one block exercises both."""
+"""A small ViT classifier: images in, class logits out.
+
+Patch embedding (a strided conv) plus a learned position embedding gives `[B, N, dim]` patch tokens; pre-norm
+Transformer blocks; a final norm, the mean over the patches and a linear head. Each block declares its tensor
+parallelism two ways, so one model exercises both: the attention with `_tp_plan` (column-parallel q, k, v and a
+row-parallel output projection; the attention reads its head count off the shard) and the MLP with
+`_tp_col` / `_tp_row`.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pp_tp.extend import register_layout
-from pp_tp.layout import ModelDims, blocks_layout
+from pp_tp.models.credit.model import CreditArgs
+
+
+@dataclass(frozen=True)
+class ViTArgs(CreditArgs):
+    """CREDIT's image and width keys (its grid is the image), RGB by default, and the classes."""
+
+    channels: int = 3
+    n_classes: int = 10
+
+    @property
+    def n_patches(self) -> int:
+        return self.grid**2
 
 
 class Patches(nn.Module):
-    def __init__(self, channels: int, dim: int, patch: int, n_patches: int):
+    def __init__(self, a: ViTArgs):
         super().__init__()
-        self.proj = nn.Conv2d(channels, dim, patch, stride=patch)
-        self.pos = nn.Parameter(torch.zeros(1, n_patches, dim))
+        self.proj = nn.Conv2d(a.channels, a.dim, a.patch_size, stride=a.patch_size)
+        self.pos = nn.Parameter(torch.zeros(1, a.n_patches, a.dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(x).flatten(2).transpose(1, 2) + self.pos
 
 
 class SelfAttention(nn.Module):
+    """Full (non-causal) self-attention over the patches; heads = q's output width / head_dim."""
+
     def __init__(self, dim: int, n_heads: int):
         super().__init__()
         self.head_dim = dim // n_heads
@@ -51,10 +71,10 @@ class ViTBlock(nn.Module):
     _tp_col = "mlp.fc1"
     _tp_row = "mlp.fc2"
 
-    def __init__(self, dim: int, n_heads: int, hidden: int):
+    def __init__(self, a: ViTArgs):
         super().__init__()
-        self.norm1, self.attn = nn.LayerNorm(dim), SelfAttention(dim, n_heads)
-        self.norm2, self.mlp = nn.LayerNorm(dim), Mlp(dim, hidden)
+        self.norm1, self.attn = nn.LayerNorm(a.dim), SelfAttention(a.dim, a.n_heads)
+        self.norm2, self.mlp = nn.LayerNorm(a.dim), Mlp(a.dim, a.ffn_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
@@ -62,29 +82,22 @@ class ViTBlock(nn.Module):
 
 
 class MeanPool(nn.Module):
+    """The mean over the patch tokens: `[B, N, dim]` -> `[B, dim]`."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.mean(1)
 
 
 class ViT(nn.Module):
-    def __init__(self, channels=3, image=16, patch=4, dim=32, depth=4, n_heads=4, hidden=64, classes=10):
+    def __init__(self, a: ViTArgs):
         super().__init__()
-        self.n_heads, self.hidden = n_heads, hidden
-        self.patch_embed = Patches(channels, dim, patch, (image // patch) ** 2)
-        self.blocks = nn.Sequential(*(ViTBlock(dim, n_heads, hidden) for _ in range(depth)))
-        self.norm, self.pool, self.head = nn.LayerNorm(dim), MeanPool(), nn.Linear(dim, classes)
+        self.args = a
+        self.patch_embed = Patches(a)
+        self.blocks = nn.ModuleList(ViTBlock(a) for _ in range(a.n_layers))
+        self.norm, self.pool, self.head = nn.LayerNorm(a.dim), MeanPool(), nn.Linear(a.dim, a.n_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.pool(self.norm(self.blocks(self.patch_embed(x)))))
-
-
-def _dims(m: ViT) -> ModelDims:
-    dim = m.head.in_features
-    n = m.patch_embed.pos.shape[1]
-    return ModelDims(len(m.blocks), dim, m.n_heads, m.n_heads, m.hidden, 0, n, False, head_dim=dim // m.n_heads)
-
-
-VIT = blocks_layout(
-    "vit_test", lambda m: isinstance(m, ViT), _dims, ("patch_embed",), "blocks", ("norm", "pool", "head")
-)
-register_layout(VIT)
+        h = self.patch_embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.pool(self.norm(h)))
