@@ -4,7 +4,7 @@ against whole experts, on 2 gloo ranks; and the rows each EP dispatch sends agai
     python bench/moe_step.py [--rounds 5] [--steps 3]
 
 transformers' distributed loading (`distributed_config`) needs `accelerate` (without it: "ValueError: Using a
-`device_map`, `tp_plan`, ... requires `accelerate`"), which the [hf] extra does not install.
+`device_map`, `tp_plan`, ... requires `accelerate`"); the [hf] extra installs it.
 
 A small Qwen3-MoE (fp32, CPU; 8 experts, top 2) saved once, loaded by three builds on the same 2 ranks, each a
 data-parallel rank of its own batch share (the same tokens for all three):
