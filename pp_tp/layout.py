@@ -58,6 +58,12 @@ class ModelLayout:
     ``experts``: block-relative names (``*`` matches one component) of mixture-of-experts experts modules: 3-D
     parameters with the expert on dim 0, called as ``experts(hidden [T, D], top_k_index [T, k], top_k_weights
     [T, k])`` (transformers' MoE experts). Expert parallel (parallel.ep) splits them over the EP ranks.
+    ``routers``: block-relative names (``*`` as in ``experts``) of the MoE layers' router modules, declared only
+    where pp_tp knows their probabilities exactly: ``router(hidden [T, D]) -> (logits [T, E], top_k_weights [T, k],
+    top_k_index [T, k])`` with probabilities softmax(logits) (what the auxiliary loss reads, moe.aux_loss_coef);
+    empty: the auxiliary loss is refused.
+    ``expert_bias``: block-relative names (``*`` as in ``experts``) of per-layer fp32 expert-bias buffers [E] that
+    shift the expert choice only (DeepSeek-V3's ``e_score_correction_bias``), moved by moe.bias_update_rate.
     ``experts_tp``: the model declares tensor parallelism of its experts (packed gate/up split per part, down
     row-parallel); without it parallel.tp > 1 is refused for a model with experts.
     ``specialize(model)``: for a layout that matches a whole family (e.g. every Hugging Face decoder LM), the
@@ -90,6 +96,8 @@ class ModelLayout:
     static_block_inputs: bool = False
     experts: tuple[str, ...] = ()
     experts_tp: bool = False
+    routers: tuple[str, ...] = ()
+    expert_bias: tuple[str, ...] = ()
     pre: tuple[str, ...] = ()
     post: tuple[str, ...] = ()
 
