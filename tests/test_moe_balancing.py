@@ -2,8 +2,9 @@
 same definitions: hooks on the routers of the plain model, per DP share and microbatch, aux_l = E * sum_e (c_e / T)
 * mean_t softmax(logits)_e added to the token loss with weight coef / (microbatches * dp); after each optimizer step
 every expert bias moves by rate * sign(mean(c) - c) with c the step's slots per expert. Checked at pp2 x ep2 with
-uneven padding on 1F1B and Interleaved1F1B: loss, aux_loss, tokens per expert, every full gradient, and parameters
-and expert biases after two steps; plus the one-line refusals."""
+uneven padding on 1F1B and Interleaved1F1B (and pp2 x tp2, pp2 x dp2 with full activation checkpointing): loss,
+aux_loss, tokens per expert, every full gradient, and parameters and expert biases after two steps; plus the
+one-line refusals."""
 
 from __future__ import annotations
 
@@ -130,6 +131,7 @@ CASES = [
     ("moe", dict(pp=2, dp_shard=2, microbatches=2, schedule="1F1B", activation_checkpoint="full"), 0.1, 0.0),
     ("moe", dict(**EP, schedule="Interleaved1F1B", stages_per_rank=2), 0.1, 0.0),
     ("mixtral_moe", dict(**EP, schedule="Interleaved1F1B", stages_per_rank=2), 0.1, 0.0),
+    ("moe", dict(pp=2, tp=2, microbatches=2, schedule="1F1B"), 0.1, 0.0),  # router whole on both TP ranks
     ("moe_sigmoid", dict(**EP, schedule="1F1B"), 0.0, 1e-2),
     ("deepseek_v3", dict(**EP, schedule="1F1B"), 0.0, 1e-2),
 ]
