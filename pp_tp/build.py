@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from pp_tp.config import ParallelConfig, resolve_parallel
+from pp_tp.config import MoEConfig, ParallelConfig, resolve_parallel
 from pp_tp.config.fsdp_policy import FsdpPolicy
 from pp_tp.hf_checkpoint import open_checked
 from pp_tp.materialize import build_local_stages
@@ -56,6 +56,7 @@ def build_pipeline(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | str | None = None,
     loss_normalizer: str = "elements",
     rng_seed: int | None = None,
+    moe: MoEConfig | None = None,
 ) -> Pipeline:
     """This rank's share of `model` as pipeline stages with TP and FSDP, and the schedule that runs them.
 
@@ -65,8 +66,9 @@ def build_pipeline(
     generation_config.json `save_pretrained` keeps (default: `checkpoint`). `loss_fn` (a callable with
     reduction="sum" or "mse", "l1", "cross_entropy") over the global `loss_normalizer`: runtime/loss.py:SumLoss;
     `Pipeline.step(inputs, targets)` then takes any tensors, boundaries inferred per input shape. `rng_seed`: the
-    dropout streams' seed (default: `seed`; pp_tp/parallel/rng.py). Every check and the local build run before any
-    collective; then one exchange makes every rank refuse together (the same line) or go on together."""
+    dropout streams' seed (default: `seed`; pp_tp/parallel/rng.py). `moe`: MoE load balancing, the auxiliary loss
+    and the expert-bias update (pp_tp/runtime/balancing.py; default: neither). Every check and the local build run
+    before any collective; then one exchange makes every rank refuse together (the same line) or go on together."""
     pp_rank, device = mesh.get_local_rank("pp"), rank_device(mesh)
     tied = tied_names(model)  # before the stages are materialized, which unties the shared modules
     skeleton = meta_skeleton(model) if loss_fn is not None else None  # boundary shapes are inferred on it
@@ -75,7 +77,7 @@ def build_pipeline(
     def local_build() -> tuple[ParallelConfig, FsdpPolicy, Preflight, list[StageModule], SumLoss | None]:
         """Every check and this rank's stages, with no communication; ranks agree on the outcome below."""
         checked = preflight(model, resolve_parallel(pcfg, dist.get_world_size()), mesh.device_type, seq_len,
-                            custom_loss=loss_fn is not None)  # fmt: skip
+                            custom_loss=loss_fn is not None, moe=moe)  # fmt: skip
         resolved, fsdp = checked.parallel, FsdpPolicy.for_rank(checked.parallel, pp_rank)
         loss = SumLoss(loss_fn, loss_normalizer) if loss_fn is not None else None
         source = open_checked(checkpoint, model) if checkpoint else None
@@ -95,5 +97,6 @@ def build_pipeline(
         source_dir=source_dir if source_dir is not None else checkpoint,
         checkpoint_casts=casts,
         rng_seed=seed if rng_seed is None else rng_seed,
+        moe=moe or MoEConfig(),
     )  # fmt: skip
     return Pipeline(built)

@@ -59,9 +59,14 @@ class ModelLayout:
     parameters with the expert on dim 0, called as ``experts(hidden [T, D], top_k_index [T, k], top_k_weights
     [T, k])`` (transformers' MoE experts), or as ``experts(tokens sorted by expert [N, D], tokens_per_expert [E])``
     (torchtitan's grouped experts). Expert parallel (parallel.ep) splits them over the EP ranks.
-    ``expert_bias``: block-relative names (``*`` matches one component) of per-layer fp32 expert-bias buffers [E]
-    that shift the expert choice only (aux-loss-free balancing, DeepSeek-V3); the update is
-    ``bias += rate * sign(mean_e(c) - c_e)``, c = tokens_per_expert of that layer over the step and all DP ranks.
+    ``routers``: block-relative names (``*`` as in ``experts``) of the MoE layers' router modules, declared only
+    where pp_tp knows their probabilities exactly: ``router(hidden [T, D]) -> (logits [T, E], top_k_weights [T, k],
+    top_k_index [T, k])`` with probabilities softmax(logits) (what the auxiliary loss reads, moe.aux_loss_coef);
+    empty: the auxiliary loss is refused.
+    ``expert_bias``: block-relative names (``*`` as in ``experts``) of per-layer fp32 expert-bias buffers [E] that
+    shift the expert choice only (DeepSeek-V3's ``e_score_correction_bias``, torchtitan's ``expert_bias_E``), moved
+    by moe.bias_update_rate: ``bias += rate * sign(mean_e(c) - c_e)``, c = that layer's tokens_per_expert over the
+    step and all DP ranks.
     ``experts_tp``: the model declares tensor parallelism of its experts (packed gate/up split per part, down
     row-parallel); without it parallel.tp > 1 is refused for a model with experts.
     ``specialize(model)``: for a layout that matches a whole family (e.g. every Hugging Face decoder LM), the
@@ -94,6 +99,7 @@ class ModelLayout:
     static_block_inputs: bool = False
     experts: tuple[str, ...] = ()
     experts_tp: bool = False
+    routers: tuple[str, ...] = ()
     expert_bias: tuple[str, ...] = ()
     pre: tuple[str, ...] = ()
     post: tuple[str, ...] = ()

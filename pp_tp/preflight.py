@@ -12,13 +12,14 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from pp_tp.config import ParallelConfig
+from pp_tp.config import MoEConfig, ParallelConfig
 from pp_tp.errors import ConfigError
 from pp_tp.layout import ModelDims, ModelLayout, check_document_mask, layout_for
 from pp_tp.parallel.experts import check_experts
 from pp_tp.parallel.float8 import check_float8
 from pp_tp.parallel.rng import CLOSES, DEVICES, NEUTRAL, OPENS, active_dropout
 from pp_tp.parallel.tensor_parallel import block_plan, check_tp_plan
+from pp_tp.runtime.balancing import check_balancing
 from pp_tp.split.plan import StagePlan, plan_stages
 from pp_tp.stages.stage_module import reserved_name
 
@@ -140,10 +141,12 @@ def preflight(
     seq_len: int | None = None,
     document_mask: bool = False,
     custom_loss: bool = False,
+    moe: MoEConfig | None = None,
 ) -> Preflight:
     """All model-dependent refusals for `model` under a resolved `pcfg`, in one order; no communication.
     `document_mask`: the job packs documents (`data.document_mask`), so the layout must mask them. `custom_loss`:
-    the job brings its own loss (build_pipeline's loss_fn, [training] loss). Callers build with the returned
+    the job brings its own loss (build_pipeline's loss_fn, [training] loss). `moe`: the job's MoE load balancing
+    (`[moe]`, build_pipeline's moe). Callers build with the returned
     `parallel`, whose model-dependent defaults are resolved."""
     layout = layout_for(model)
     if document_mask:
@@ -158,6 +161,7 @@ def preflight(
     check_tied(pcfg, d)
     check_tp_plan(model, layout, pcfg)
     check_experts(model, layout, pcfg)
+    check_balancing(model, layout, pcfg, moe or MoEConfig())
     check_dropout(model, layout, pcfg, device_type)
     check_float8(pcfg, device_type)
     return Preflight(layout, d, plan_stages(model, layout, pcfg, seq_len), pcfg)

@@ -225,6 +225,7 @@ OTHER_PRIVATE_NAMES: dict[str, str] = {
     "_SubParsersAction": "argparse: the type of add_subparsers(), in annotations only; argparse names it nowhere else",
     "_attn_implementation": "transformers: the config's attention choice, read and set the way transformers does",
     "_init_weights": "transformers: a model's own per-module init rule, rerun to recompute buffers",
+    "_can_record_outputs": "transformers: which module class a model records its router_logits from (MoE balancing)",
     "_param_init": "torchtitan: a module's per-parameter init rules",
     "_init_self_buffers": "torchtitan: a RoPE module's buffer init",
 }

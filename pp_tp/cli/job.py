@@ -24,8 +24,9 @@ def check_job(cfg: JobConfig, world_size: int | None = None, data: bool = True) 
     cfg = validate(dataclasses.replace(cfg, model=resolve_model_config(cfg.model)), world_size)
     model = build_model(cfg.model, "meta")
     checked = preflight(
-        model, cfg.parallel, device_type(), cfg.training.seq_len, cfg.data.document_mask, bool(cfg.training.loss)
-    )
+        model, cfg.parallel, device_type(), cfg.training.seq_len, cfg.data.document_mask, bool(cfg.training.loss),
+        cfg.moe,
+    )  # fmt: skip
     cfg = dataclasses.replace(cfg, parallel=checked.parallel)
     if data:
         make_source(cfg)  # the data source opens and fits the model

@@ -6,6 +6,7 @@ from pp_tp.config.schema import (
     DataConfig,
     JobConfig,
     ModelConfig,
+    MoEConfig,
     ParallelConfig,
     TrainingConfig,
 )
@@ -18,6 +19,7 @@ __all__ = [
     "DataConfig",
     "JobConfig",
     "ModelConfig",
+    "MoEConfig",
     "ParallelConfig",
     "TrainingConfig",
     "check_ep",

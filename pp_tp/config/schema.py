@@ -178,6 +178,16 @@ class CheckpointConfig:
 
 
 @dataclass
+class MoEConfig:
+    """`[moe]`: load balancing of mixture-of-experts layers (pp_tp/runtime/balancing.py). `aux_loss_coef`: the weight
+    of the per-layer, per-microbatch auxiliary loss of softmax routers; `bias_update_rate`: the step of the
+    auxiliary-loss-free expert-bias update after each optimizer step (DeepSeek-V3). 0 switches either off."""
+
+    aux_loss_coef: float = 0.0
+    bias_update_rate: float = 0.0
+
+
+@dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -185,6 +195,7 @@ class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
 
 # `[training] loss` names (pp_tp.runtime.loss.LOSSES implements them, each summed and divided by the global count).
@@ -254,6 +265,7 @@ BOUNDS: dict[str, tuple[tuple[str, float, bool], ...]] = {
     "data": (("eos_id", 0, True), ("prefetch", 0, True)),
     "checkpoint": (("interval", 0, True),),
     "validation": (("every", 0, True), ("steps", 1, True), ("split", 0, True)),
+    "moe": (("aux_loss_coef", 0, True), ("bias_update_rate", 0, True)),
 }
 
 # The split that needs a per-stage list, and that list's key.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+from pp_tp.config.fields import checked
 from pp_tp.config.schema import (
     CHOICES,
     NON_LM_DATA,
@@ -14,9 +15,12 @@ from pp_tp.config.schema import (
     JobConfig,
     ModelConfig,
     ModelShape,
+    MoEConfig,
+    ParallelConfig,
     ValidationConfig,
 )
 from pp_tp.errors import ConfigError
+from pp_tp.schedules.registry import splits_weight_grad
 
 
 def check_validation(v: ValidationConfig, data: DataConfig) -> ValidationConfig:
@@ -69,6 +73,19 @@ def check_moe(m: ModelShape) -> None:
             f"model.moe_every = {m.moe_every} exceeds model.n_layers = {m.n_layers}, so no layer holds experts; "
             f"set model.moe_every <= {m.n_layers}"
         )
+
+
+def check_balancing_keys(moe: MoEConfig, parallel: ParallelConfig) -> MoEConfig:
+    """The `[moe]` keys on their own and against the schedule (what the model decides is
+    pp_tp.runtime.balancing.check_balancing); run by `validate` and by `build_pipeline`'s preflight."""
+    moe = checked("moe", moe)
+    if moe.aux_loss_coef > 0 and splits_weight_grad(parallel.schedule):
+        raise ConfigError(
+            f"moe.aux_loss_coef = {moe.aux_loss_coef} with schedule {parallel.schedule}: the auxiliary loss's gradient "
+            "is not verified under split weight-gradient passes; use a schedule without split backward (1F1B, "
+            "Interleaved1F1B, GPipe, LoopedBFS) or moe.aux_loss_coef = 0"
+        )
+    return moe
 
 
 def check_non_lm_job(cfg: JobConfig) -> None:

@@ -8,7 +8,7 @@ import os
 from pp_tp.config.fields import checked
 from pp_tp.config.fsdp_policy import check_policy_keys, schedule_reshard
 from pp_tp.config.schema import SPLIT_ARGS, JobConfig, ParallelConfig, TrainingConfig
-from pp_tp.config.sections import check_data, check_moe, check_non_lm_job, check_validation
+from pp_tp.config.sections import check_balancing_keys, check_data, check_moe, check_non_lm_job, check_validation
 from pp_tp.errors import ConfigError
 from pp_tp.schedules.registry import check_schedule, default_stages_per_rank
 
@@ -32,6 +32,7 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> JobConfig:
         data=check_data(checked("data", cfg.data)),
         checkpoint=checked("checkpoint", cfg.checkpoint),
         validation=check_validation(checked("validation", cfg.validation), cfg.data),
+        moe=check_balancing_keys(cfg.moe, parallel),
     )
     check_non_lm_job(job)  # across sections, on type-checked values
     return job

@@ -22,7 +22,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import RESHARD, UNSHARD
 
 from pp_tp._torch import Action, PipelineScheduleRuntime, load_csv_schedule
-from pp_tp.config import ParallelConfig
+from pp_tp.config import MoEConfig, ParallelConfig
 from pp_tp.config.fsdp_policy import FsdpPolicy
 from pp_tp.errors import ConfigError
 from pp_tp.hf_checkpoint import save_pretrained
@@ -30,6 +30,7 @@ from pp_tp.layout import check_document_mask
 from pp_tp.mesh import dp_rank
 from pp_tp.parallel.rng import StageStream
 from pp_tp.parallel.tensor_parallel import reduce_partial_grads
+from pp_tp.runtime.balancing import AuxLoss, ExpertBiases
 from pp_tp.runtime.boundary import BoundaryShapes, InferredShapes
 from pp_tp.runtime.evaluate import forward_only, grad_state
 from pp_tp.runtime.grad_reduce import ReducingStage
@@ -72,7 +73,7 @@ class BuiltStages:
     `grad_factor`: what FSDP divides gradients by, undone in the loss; `tied`: tied weights held by several
     stages; `hf_config` and `source_dir`: config.json and the directory whose generation_config.json
     `save_pretrained` writes; `checkpoint_casts`: dtype conversions made while loading an HF checkpoint (for the
-    log); `rng_seed`: the seed of the stages' dropout streams."""
+    log); `rng_seed`: the seed of the stages' dropout streams; `moe`: MoE load balancing (runtime/balancing.py)."""
 
     stages: list[StageModule]
     plan: StagePlan
@@ -89,6 +90,7 @@ class BuiltStages:
     source_dir: str | None = None
     checkpoint_casts: Counter = field(default_factory=Counter)
     rng_seed: int = 0
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
 
 class Pipeline:
@@ -121,9 +123,18 @@ class Pipeline:
         self._dp_groups = [built.mesh.get_group(d) for d in ("dp_replicate", "dp_shard") if built.mesh[d].size() > 1]
         self._shape_key: tuple | None = None
         self.schedule = None
-        self._routing = RoutingStats(built.stages, built.stages[0].layout, built.mesh) if built.stages else None
-        # After each step: {"tokens_per_expert": {MoE layer FQN: int64 [E]}} over the step and all DP ranks, for
-        # the MoE layers this rank holds (empty without any).
+        layout = built.stages[0].layout if built.stages else None
+        self._routing = RoutingStats(built.stages, layout, built.mesh) if layout is not None else None
+        self._moe = built.moe
+        self._has_moe = layout is not None and bool(layout.experts)
+        # d(step aux loss)/d(aux_l) per microbatch: coef / (microbatches * dp), times what FSDP's DP mean takes away.
+        self._aux_mean = built.moe.aux_loss_coef / (built.pcfg.microbatches * built.pcfg.dp)
+        aux = self._has_moe and built.moe.aux_loss_coef > 0
+        self._aux = AuxLoss(built.stages, layout, self._aux_mean * built.grad_factor, built.device) if aux else None
+        self._biases = ExpertBiases(built.stages, layout) if self._has_moe and built.moe.bias_update_rate else None
+        # After each step of an MoE model: {"aux_loss": the step's auxiliary loss (global, 0.0 without one),
+        # "tokens_per_expert": {MoE layer FQN: int64 [E]}} over the step and all DP ranks, for the MoE layers this
+        # rank holds; empty for a dense model.
         self.moe_stats: dict[str, Any] = {}
 
     def _build_schedule(self, microbatch: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -198,15 +209,20 @@ class Pipeline:
         n = count_targets(targets, self._loss.normalizer, self._dp_groups) if self.has_last_stage else 1
         return inputs, targets, n
 
-    def global_loss(self, losses: list[torch.Tensor], divide: float = 1.0) -> torch.Tensor:
+    def global_loss(
+        self, losses: list[torch.Tensor], divide: float = 1.0, aux: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The sum of the last stage's microbatch losses (over `divide`), summed over pp and DP: every rank gets
-        the global loss. Summed on the device: no host sync per microbatch."""
-        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        the global loss. Summed on the device: no host sync per microbatch. With `aux` (this rank's auxiliary-loss
+        sum), [loss, aux summed over pp and DP] in the same all-reduce."""
+        total = torch.zeros(1 if aux is None else 2, dtype=torch.float64, device=self.device)
         if losses:
-            total += torch.stack([x.detach() for x in losses]).double().sum() / divide
+            total[0] += torch.stack([x.detach() for x in losses]).double().sum() / divide
+        if aux is not None:
+            total[1] = aux
         for g in [self._pp_group] + self._dp_groups:
             dist.all_reduce(total, group=g)
-        return total[0].float()
+        return total.float() if aux is not None else total[0].float()
 
     def _position_kwargs(self, where: str, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> dict:
         """The schedule's keyword inputs: per-token position ids (split into microbatches by torch, handed to
@@ -241,13 +257,25 @@ class Pipeline:
                 ctx.enter_context(stage.reuse_block_inputs())
             if self._routing is not None:
                 self._routing.reset()
+            if self._aux is not None:
+                self._aux.total.zero_()
             self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
-        if self._routing is not None and self._routing.counts:
-            self.moe_stats = {"tokens_per_expert": self._routing.collect()}
+        if self._has_moe:
+            self.moe_stats = {"aux_loss": 0.0, "tokens_per_expert": self._routing.collect()}
         reduce_partial_grads(self.model_parts)  # once per step, after the last microbatch
         if self._tied is not None:
             self._tied.sync(self.model_parts)
-        return self.global_loss(losses, self._grad_factor)
+        if self._aux is None:
+            return self.global_loss(losses, self._grad_factor)
+        loss, aux = self.global_loss(losses, self._grad_factor, self._aux.total)
+        self.moe_stats["aux_loss"] = float(aux) * self._aux_mean
+        return loss
+
+    def update_expert_bias(self) -> None:
+        """Moves every local MoE layer's expert bias by moe.bias_update_rate * sign(mean_e(c) - c_e), c = the last
+        step's tokens per expert (global); call it after `optimizer.step()`. No communication; a no-op at rate 0."""
+        if self._biases is not None:
+            self._biases.update(self.moe_stats["tokens_per_expert"], self._moe.bias_update_rate)
 
     def save_pretrained(self, path: str, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None) -> None:
         """Writes the whole model to `path` in HF format (a collective; each pp rank writes its stages' files)."""

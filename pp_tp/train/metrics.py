@@ -118,6 +118,7 @@ class MetricsLogger:
             mfu += f" | val_loss {row['val_loss']:.4f}" if "val_loss" in row else ""
             mfu += f" | skipped {row['skipped_steps']}" if row.get("skipped_steps") else ""
             mfu += f" | moe imbalance {row['moe_imbalance']:.2f}" if "moe_imbalance" in row else ""
+            mfu += f" | aux_loss {row['aux_loss']:.4f}" if row.get("aux_loss") else ""
             mfu += f" | data {1000 * row['data_s']:.1f} ms" if "data_s" in row else ""
             mfu += f" | {step}/{self.total_steps} eta {_hms(row['eta_s'])}" if "eta_s" in row else ""
             print(

@@ -139,6 +139,7 @@ class Trainer:
             source_dir=self.cfg.model.hf_path or None,  # save_pretrained keeps its generation_config.json
             loss_fn=t.loss or None,  # a model that is not an LM: its own loss, e.g. "mse"
             rng_seed=t.seed,  # dropout streams per (stage, dp rank), per TP rank in sharded regions
+            moe=self.cfg.moe,  # MoE load balancing: auxiliary loss, expert-bias update
         )  # fmt: skip
         self.loader = Prefetcher(self.source.loader(dp_rank(self.mesh), dp_size(self.mesh)), self.cfg.data.prefetch)
         self.optimizers, self.schedulers = build_optimizers(self.pipe.model_parts, t)
@@ -184,6 +185,7 @@ class Trainer:
         extra = {"skipped_steps": self.skipped, "data_s": self.loader.wait_s}
         if self.has_experts:
             extra.update(moe_imbalance(self.pipe.moe_stats.get("tokens_per_expert", {}), self.mesh))
+            extra["aux_loss"] = self.pipe.moe_stats.get("aux_loss", 0.0)
         if self.validator.due(step, last):
             extra["val_loss"] = self.validator.run(self.pipe, self.mesh)
         row = self.metrics.log(step, last, loss, grad_norm, lr, t.batch_size * t.seq_len, elapsed, extra)
@@ -213,6 +215,7 @@ class Trainer:
         for opt, sched in zip(self.optimizers, self.schedulers):
             opt.step()
             sched.step()
+        self.pipe.update_expert_bias()  # [moe] bias_update_rate: after the step, from its tokens per expert
         return loss, grad_norm, lr, True
 
 

@@ -24,6 +24,7 @@ from pp_tp.errors import ConfigError
 from pp_tp.layout import ModelDims, ModelLayout
 from pp_tp.models.hf.buffers import init_buffers
 from pp_tp.models.hf.extras import after_embed, after_head
+from pp_tp.models.hf.routers import block_expert_biases, block_routers
 from pp_tp.models.hf.self_check import self_check
 from pp_tp.models.hf.tp_plan import block_experts, block_tp_plan
 from pp_tp.parallel.tensor_parallel import rules_present
@@ -225,8 +226,8 @@ def compose(model: nn.Module) -> ModelLayout:
     if getattr(model.config, "output_router_logits", False):
         raise _refuse(
             model,
-            "output_router_logits = true adds the router's auxiliary loss outside the logits; "
-            "set it to false in the model config",
+            "output_router_logits = true adds transformers' whole-batch auxiliary loss, which a pipeline cannot "
+            "compute; set it to false in the model config and use [moe] aux_loss_coef (per layer and microbatch)",
         )
     prefix = model.base_model_prefix
     base = model.get_submodule(prefix)
@@ -269,6 +270,8 @@ def compose(model: nn.Module) -> ModelLayout:
         tp_refusal=tp_refusal,
         experts=experts,
         experts_tp=experts_tp,
+        routers=block_routers(model, blocks) if experts else (),
+        expert_bias=block_expert_biases(blocks) if experts else (),
         attention=attention,
         after_embed=after_embed(model.config),
         after_head=after_head(model.config),

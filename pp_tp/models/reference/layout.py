@@ -34,6 +34,8 @@ def _specialize(model: Transformer) -> ModelLayout:
         tp_plan=rules_present({**BLOCK_TP_PLAN, **SHARED_EXPERTS_TP_PLAN}, model.layers.children()),
         experts=("feed_forward.experts",),
         experts_tp=True,
+        routers=("feed_forward.gate",) if model.args.router == "softmax" else (),
+        expert_bias=("feed_forward.gate.expert_bias",),
     )
 
 

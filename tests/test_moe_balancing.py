@@ -1,0 +1,189 @@
+"""MoE load balancing under pipelining (pp_tp/runtime/balancing.py) against a plain one-process computation of the
+same definitions: hooks on the routers of the plain model, per DP share and microbatch, aux_l = E * sum_e (c_e / T)
+* mean_t softmax(logits)_e added to the token loss with weight coef / (microbatches * dp); after each optimizer step
+every expert bias moves by rate * sign(mean(c) - c) with c the step's slots per expert. Checked at pp2 x ep2 with
+uneven padding on 1F1B and Interleaved1F1B (and pp2 x tp2, pp2 x dp2 with full activation checkpointing): loss,
+aux_loss, tokens per expert, every full gradient, and parameters and expert biases after two steps; plus the
+one-line refusals."""
+
+from __future__ import annotations
+
+import parity_utils as pu
+import pytest
+import torch
+import torch.nn.functional as F
+from test_hf_families import SEQ, VOCAB, _state, make
+from test_model_moe import MOE, MOE_SIGMOID
+
+import pp_tp
+from pp_tp.config import JobConfig, ModelConfig, ParallelConfig, TrainingConfig, validate
+from pp_tp.errors import ConfigError
+from pp_tp.mesh import dp_rank, dp_size
+from pp_tp.models.reference.model import ModelArgs
+from pp_tp.preflight import preflight
+from pp_tp.tensor_utils import persistent_buffers
+
+TOL = 1e-5
+EP = dict(pp=2, dp_shard=2, ep=2, microbatches=2)
+
+
+def _model(name: str, device: str = "cpu") -> torch.nn.Module:
+    """A reference MoE (by its args' name) or an HF family of tests/test_hf_families.py."""
+    args = {"moe": MOE, "moe_sigmoid": MOE_SIGMOID}.get(name)
+    return pu.make_model(args, device=device) if args is not None else make(name, device)
+
+
+def _routers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """Every MoE layer's router by the layer's FQN (reference feed_forward.gate, HF mlp.gate)."""
+    return {n.rpartition(".")[0]: m for n, m in model.named_modules() if n.endswith(".gate") and hasattr(m, "weight")}
+
+
+def _plain_step(model, ids, labels, dp: int, m: int, coef: float) -> tuple[float, float, dict[str, torch.Tensor]]:
+    """One step of the plain model on the global batch, cut as the pipeline cuts it: the token loss over the global
+    count plus coef * the mean over (DP share, microbatch) of sum_l aux_l; returns (loss, aux, slots per layer)."""
+    seen: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    hooks = [
+        r.register_forward_hook(lambda mod, args, out, layer=layer: seen.append((layer, out[0], out[2])))
+        for layer, r in _routers(model).items()
+    ]
+    count = int((labels != -100).sum())
+    loss = aux_total = 0.0
+    slots: dict[str, torch.Tensor] = {}
+    for chunk_ids, chunk_labels in zip(ids.chunk(dp * m), labels.chunk(dp * m)):
+        seen.clear()
+        out = model(chunk_ids)
+        logits = out.logits if hasattr(out, "logits") else out
+        lm = F.cross_entropy(logits.flatten(0, 1).float(), chunk_labels.flatten(), ignore_index=-100, reduction="sum")
+        aux = torch.zeros(())
+        for layer, router_logits, index in seen:
+            probs = router_logits.float().softmax(-1)
+            tokens, experts = probs.shape
+            c = torch.bincount(index.flatten(), minlength=experts)
+            slots[layer] = slots.get(layer, 0) + c
+            aux = aux + experts * sum(c[e] / tokens * probs[:, e].mean() for e in range(experts))
+        (lm / count + coef * aux / (dp * m)).backward()
+        loss += float(lm) / count
+        aux_total += coef * float(aux) / (dp * m)
+    for h in hooks:
+        h.remove()
+    return loss, aux_total, slots
+
+
+def balancing_case(name: str, kw: dict, coef: float, rate: float, steps: int = 2) -> dict:
+    """Per rank: worst relative errors of loss, aux_loss, gradients (first step), parameters and persistent buffers
+    (after `steps`), and whether tokens_per_expert equalled the plain slot counts on every step."""
+    pcfg = pu.pcfg_of(**kw)
+    mesh = pu.mesh_for(pcfg)
+    hf = name not in ("moe", "moe_sigmoid")
+    state = _state(_model(name)) if hf else pu.reference_state(MOE if name == "moe" else MOE_SIGMOID)
+    args = ModelArgs(vocab_size=VOCAB) if hf else MOE
+    ids, labels = pu.batch(args, 8, SEQ, pad=True)
+    torch.manual_seed(0)
+    model = _model(name)
+    model.load_state_dict(state, strict=False)
+    moe = pp_tp.MoEConfig(aux_loss_coef=coef, bias_update_rate=rate)
+    pipe = pp_tp.build_pipeline(_model(name, "meta"), mesh, pcfg, state_dict=state, moe=moe)
+    ref_opt = pu.adamw()(list(model.parameters()))
+    opt = pu.adamw()([p for part in pipe.model_parts for p in part.parameters()])
+    per = ids.shape[0] // dp_size(mesh)
+    share = slice(dp_rank(mesh) * per, (dp_rank(mesh) + 1) * per)
+    errs = {"loss": 0.0, "aux": 0.0, "grad": 0.0}
+    counts_equal = True
+    for step in range(steps):
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        want_loss, want_aux, slots = _plain_step(model, ids, labels, dp_size(mesh), pcfg.microbatches, coef)
+        got_loss = float(pipe.step(ids[share], labels[share]))
+        errs["loss"] = max(errs["loss"], abs(got_loss - want_loss) / want_loss)
+        errs["aux"] = max(errs["aux"], abs(pipe.moe_stats["aux_loss"] - want_aux) / max(want_aux, 1e-30))
+        got_counts = pipe.moe_stats["tokens_per_expert"]
+        counts_equal &= all(torch.equal(c, slots[k]) for k, c in got_counts.items())
+        if step == 0:
+            want = dict(model.named_parameters())
+            got = {k: pu.full_tensor(p.grad) for part in pipe.model_parts for k, p in part.named_parameters()}
+            errs["grad"] = max(pu.rel_err(g, want[k].grad) for k, g in got.items())
+        ref_opt.step()
+        opt.step()
+        with torch.no_grad():
+            for b, c in zip(_biases(model, sorted(slots)) if rate else (), (slots[k].float() for k in sorted(slots))):
+                b += rate * torch.sign(c.mean() - c)
+        pipe.update_expert_bias()
+    want_p = dict(model.named_parameters())
+    errs["param"] = max(pu.rel_err(pu.full_tensor(p), want_p[k]) for part in pipe.model_parts
+                        for k, p in part.named_parameters())  # fmt: skip
+    want_b = persistent_buffers(model)
+    got_b = {k: b for part in pipe.model_parts for k, b in persistent_buffers(part).items()}
+    errs["buffer"] = max((pu.rel_err(b, want_b[k]) for k, b in got_b.items()), default=0.0)
+    moved = max((float((want_b[k] - state[k]).abs().max()) for k in got_b if "bias" in k), default=0.0)
+    return {**errs, "counts_equal": counts_equal, "layers": len(got_counts), "bias_moved": moved,
+            "aux_loss": pipe.moe_stats["aux_loss"]}  # fmt: skip
+
+
+def _biases(model: torch.nn.Module, layers: list[str]) -> list[torch.Tensor]:
+    """Each layer's expert-bias buffer (reference expert_bias, HF e_score_correction_bias), in `layers`' order."""
+    buffers = persistent_buffers(model)
+    return [next(b for k, b in buffers.items() if k.startswith(layer + ".gate.")) for layer in layers]
+
+
+CASES = [
+    # reference softmax router: aux loss and bias together; full activation checkpointing (recompute counted once)
+    ("moe", dict(**EP, schedule="1F1B"), 0.1, 1e-2),
+    ("moe", dict(pp=2, dp_shard=2, microbatches=2, schedule="1F1B", activation_checkpoint="full"), 0.1, 0.0),
+    ("moe", dict(**EP, schedule="Interleaved1F1B", stages_per_rank=2), 0.1, 0.0),
+    ("mixtral_moe", dict(**EP, schedule="Interleaved1F1B", stages_per_rank=2), 0.1, 0.0),
+    ("moe", dict(pp=2, tp=2, microbatches=2, schedule="1F1B"), 0.1, 0.0),  # router whole on both TP ranks
+    ("moe_sigmoid", dict(**EP, schedule="1F1B"), 0.0, 1e-2),
+    ("deepseek_v3", dict(**EP, schedule="1F1B"), 0.0, 1e-2),
+]
+
+
+def run_cases(cases: list) -> list[dict]:
+    return [balancing_case(*case) for case in cases]
+
+
+def test_balancing_equals_the_plain_computation(world):
+    results = world(4).run(run_cases, CASES)
+    for i, case in enumerate(CASES):
+        assert sum(per_rank[i]["layers"] for per_rank in results) > 0, case  # some rank compared its counts
+    for per_rank in results:
+        for case, r in zip(CASES, per_rank):
+            assert all(r[e] <= TOL for e in ("loss", "aux", "grad", "param", "buffer")), (case, r)
+            assert r["counts_equal"], (case, r)
+            coef, rate = case[2], case[3]
+            assert (r["aux_loss"] > 0) == (coef > 0), (case, r)  # 0.0 without an auxiliary loss
+            assert (r["bias_moved"] > 0) == (rate > 0), (case, r)  # the update really moved the biases
+
+
+# --- refusals, one line each, before any collective ---------------------------------------------------------
+
+
+def _preflight(name: str, **moe) -> None:
+    pcfg = pp_tp.config.resolve_parallel(ParallelConfig(dp_shard=1), 1)
+    preflight(_model(name, "meta"), pcfg, "cpu", SEQ, moe=pp_tp.MoEConfig(**moe))
+
+
+@pytest.mark.parametrize(
+    ("name", "moe", "match"),
+    [
+        ("moe_sigmoid", dict(aux_loss_coef=0.01), r"moe.aux_loss_coef = 0.01 needs each MoE layer's softmax router"),
+        ("deepseek_v3", dict(aux_loss_coef=0.01), r"has no router pp_tp reads them from exactly .*sigmoid"),
+        ("mixtral_moe", dict(bias_update_rate=0.001), r"moe.bias_update_rate = 0.001 moves .* declares none"),
+        ("llama", dict(aux_loss_coef=0.01), r"has no mixture-of-experts layers pp_tp knows"),
+    ],
+)
+def test_balancing_the_model_cannot_honour_is_refused_in_one_line(name, moe, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        _preflight(name, **moe)
+    assert "\n" not in str(e.value)
+
+
+def test_moe_keys_are_checked_with_the_config():
+    """`[moe]` bounds and the schedule rule in validate (what `pp-tp check` runs), one line each."""
+    job = JobConfig(model=ModelConfig(), training=TrainingConfig(seq_len=16))
+    job.moe = pp_tp.MoEConfig(aux_loss_coef=-1.0)
+    with pytest.raises(ConfigError, match=r"^moe.aux_loss_coef = -1.0 must be >= 0[^\n]*$"):
+        validate(job, world_size=1)
+    job.moe = pp_tp.MoEConfig(aux_loss_coef=0.01)
+    job.parallel = ParallelConfig(pp=2, schedule="ZBVZeroBubble", microbatches=4)
+    with pytest.raises(ConfigError, match=r"^moe.aux_loss_coef = 0.01 with schedule ZBVZeroBubble[^\n]*$"):
+        validate(job, world_size=2)
