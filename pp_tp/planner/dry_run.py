@@ -10,7 +10,7 @@ from pp_tp._torch import FakeTensorMode
 from pp_tp.config import JobConfig, ParallelConfig, validate
 from pp_tp.config.fsdp_policy import FsdpPolicy
 from pp_tp.errors import ConfigError
-from pp_tp.layout import layout_for
+from pp_tp.layout import ModelDims, layout_for
 from pp_tp.mesh import MESH_DIMS, make_mesh, mesh_shape
 from pp_tp.models.factory import build_model
 from pp_tp.planner.auto import resolve_policies
@@ -38,6 +38,7 @@ class JobPlan:
     seconds: float
     policies: ParallelConfig | None = None  # [parallel] with "auto" resolved (per-pp-rank lists where they differ)
     experts: Experts | None = None  # the model's routed experts (None: dense)
+    dims: ModelDims | None = None
 
     @property
     def peak_bytes(self) -> int:
@@ -104,4 +105,5 @@ def plan_job(cfg: JobConfig, world_size: int) -> JobPlan:
         time.perf_counter() - t0,
         policies,
         experts,
+        layout.dims(model),
     )

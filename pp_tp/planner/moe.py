@@ -8,10 +8,12 @@ other ranks, and gets as many expert outputs back; the backward moves the same t
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from torch import nn
 
+from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
 from pp_tp.layout import ModelLayout
 from pp_tp.parallel.experts import experts_modules, n_experts
@@ -72,3 +74,13 @@ def all_to_all_bytes(tokens: int, experts: Experts, dim: int, ep: int, act_bytes
     """Bytes one rank sends to other ranks per MoE layer and microbatch of `tokens` tokens, forward and backward
     (dispatch and combine each way), under balanced routing."""
     return 4 * tokens * experts.top_k * dim * act_bytes * (ep - 1) / ep
+
+
+def rank_all_to_all_bytes(
+    experts: Experts, blocks: Iterable[str], pcfg: ParallelConfig, tokens: int, dim: int
+) -> float:
+    """Bytes one rank sends to other ranks per step: all_to_all_bytes for each MoE layer among `blocks` (the rank's
+    block keys) and each of its microbatches of `tokens` tokens, in the activation dtype."""
+    layers = sum(b in experts.moe_blocks for b in blocks)
+    act = 2 if pcfg.mixed_precision == "bf16" else 4
+    return all_to_all_bytes(tokens, experts, dim, pcfg.ep, act) * layers * pcfg.microbatches

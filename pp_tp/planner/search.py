@@ -6,10 +6,10 @@ params + attention per token, fwd+bwd; full AC adds one forward, 1/3 of it) over
 FLOP/s; TP adds 4 ring all-reduces of [mb, seq, dim] bf16 per block per microbatch at NVLink bandwidth;
 FSDP moves the step walk's all-gather and reduce-scatter bytes ((n-1)/n of them) at NVLink bandwidth when
 tp x dp_shard fits a node of 8, else InfiniBand, overlapped with compute (only what exceeds compute
-shows); expert parallel moves pp_tp.planner.moe.all_to_all_bytes per MoE layer and microbatch (balanced routing,
-bf16), at NVLink bandwidth when the ep x tp group fits a node of 8, else InfiniBand, not overlapped (the next
-layer waits for its tokens). Step time = max over pp ranks of (compute + TP + EP) x (1 + simulated bubble) +
-exposed FSDP time.
+shows); expert parallel moves pp_tp.planner.moe.all_to_all_bytes per MoE layer and microbatch (balanced
+routing) at NVLink bandwidth when the ep x tp group fits a node of 8, else InfiniBand, not overlapped (the
+next layer waits for its tokens). Step time = max over pp ranks of (compute + TP + EP) x (1 + simulated
+bubble) + exposed FSDP time.
 
 Searched: tp 1/2/4/8, pp 1 to 32, dp_replicate 1 or dp/8, ep every divisor of dp_shard that splits the
 experts evenly (MoE models), GPipe, 1F1B, Interleaved1F1B (2 or 4 stages per
@@ -30,7 +30,7 @@ from pp_tp.layout import ModelDims, layout_for
 from pp_tp.models.factory import build_model
 from pp_tp.planner.auto import GIB, comm_bytes
 from pp_tp.planner.layout_eval import LayoutEvaluator, LayoutPlan
-from pp_tp.planner.moe import Experts, all_to_all_bytes, model_experts
+from pp_tp.planner.moe import Experts, model_experts, rank_all_to_all_bytes
 
 DEVICES = {"H100": (989e12, 450e9, 50e9), "H200": (989e12, 450e9, 50e9)}  # bf16 dense FLOP/s, NVLink, IB B/s
 NODE = 8
@@ -71,8 +71,7 @@ def step_time(cfg: JobConfig, lay: LayoutPlan, dev: Device, dims: ModelDims, exp
         fsdp = comm_bytes(r, walk) * (p.dp_shard - 1) / max(p.dp_shard, 1) / bw
         ep_time = 0.0
         if experts is not None and p.ep > 1:  # the ep group is ep x tp neighbouring ranks (pp_tp.mesh)
-            layers = sum(b in experts.moe_blocks for s in stages for b in s.blocks)
-            sent = all_to_all_bytes(tokens, experts, d, p.ep, 2) * layers * p.microbatches
+            sent = rank_all_to_all_bytes(experts, (b for s in stages for b in s.blocks), p, tokens, d)
             ep_time = sent / (dev.nvlink_bw if p.ep * p.tp <= NODE else dev.ib_bw)
         worst = max(worst, (compute + tp_time + ep_time) * (1 + lay.bubble) + max(0.0, fsdp - compute))
     return worst
