@@ -131,7 +131,6 @@ class StageCostCache:
                 model = build_model(self._small, "meta")  # the passes change the model's modules in place
                 stage = StageModule(model, self.layout, self._spec(probe))
                 parallelize_stage(stage, mesh, pcfg, FsdpPolicy.for_rank(pcfg, 0))
-                # no list of the parameters is kept: to_empty swaps them and refuses one referenced elsewhere
                 shapes = Counter(_shape(p) for p in stage.parameters() if not is_expert(p))
                 experts = Counter(_shape(p) for p in stage.parameters() if is_expert(p))
                 blocks = [sum(tp_local_numel(p) for p in b.parameters()) for b in stage.block_modules()]
