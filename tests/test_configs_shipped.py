@@ -28,6 +28,8 @@ SHIPPED = {
     "llama3_8b": (8, (2, 2, 1, 2), 1, (8, 1), 8.03, [16, 16]),
     "llama3_70b": (32, (4, 8, 1, 1), 2, (16, 1), 70.55, [10] * 8),
     "llama3_405b": (1024, (8, 8, 1, 16), 1, (32, 1), 405.85, [15] + [16] * 6 + [15]),
+    "qwen3_235b_a22b": (256, (8, 1, 1, 32), 1, (32, 1), 235.09, [12] * 6 + [13, 9]),
+    "deepseek_v3_671b": (1024, (16, 1, 1, 64), 1, (64, 1), 671.03, [3] + [4] * 14 + [2]),
 }
 
 
@@ -59,7 +61,7 @@ def test_a_shipped_config_refuses_the_wrong_world_size():
         load_config(os.path.join(REPO, "toml_configs", "llama3_8b.toml"), world_size=16)
 
 
-@pytest.mark.parametrize("name", ["llama3_8b", "llama3_70b", "llama3_405b"])
+@pytest.mark.parametrize("name", ["llama3_8b", "llama3_70b", "llama3_405b", "qwen3_235b_a22b", "deepseek_v3_671b"])
 def test_multi_node_configs_fit_80_gb_per_the_planner(name):
     """The planner's largest per-rank peak at the config's own world size, "auto" policies resolved."""
     from pp_tp.planner import plan_job

@@ -85,3 +85,41 @@ def test_search_json_lists_fitting_layouts_fastest_first(tmp_path, capsys):
     assert all(c["peak_gib"] <= 0.003 for c in cands)
     keys = {"pp", "tp", "dp_shard", "schedule", "microbatches", "fsdp_reshard_after_forward", "fsdp_grad_reduce"}
     assert keys <= set(cands[0]["parallel"])
+
+
+# The reference MoE with dense and MoE layers alternating (blocks of two signatures): 8 ranks, pp2 x dp_shard4 x
+# ep2 leaves the experts FSDP-sharded over 2 ranks.
+MOE_JOB = {
+    "model": {"vocab_size": 256, "dim": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 96,
+              "n_experts": 4, "top_k": 2, "moe_ffn_dim": 32, "n_shared_experts": 1, "moe_every": 2},
+    "parallel": {"pp": 2, "dp_shard": 4, "ep": 2, "schedule": "1F1B", "microbatches": 2, "mixed_precision": "bf16"},
+    "training": {"batch_size": 16, "seq_len": 32},
+}  # fmt: skip
+
+
+def test_moe_layouts_search_ep_and_evaluate_like_the_full_dry_run():
+    """ep is searched (divisors of dp_shard splitting the experts), and an ep layout's cached evaluation (experts
+    FSDP over dp_shard / ep, dense and MoE blocks measured apart) equals the full dry run."""
+    from pp_tp.planner.moe import all_to_all_bytes, model_experts
+    from pp_tp.planner.search import DEVICES, Device, step_time
+
+    cfg = config_from_dict(MOE_JOB, world_size=8)
+    model = build_model(cfg.model, "meta")
+    experts = model_experts(model, layout_for(model))
+    assert (experts.n_experts, experts.top_k, sorted(experts.moe_blocks)) == (4, 2, ["1", "3"])
+    eps = {(kw["dp_shard"], kw["ep"]) for kw in _layouts(cfg, 8, experts)}
+    assert {(4, 1), (4, 2), (4, 4), (8, 4), (2, 2)} <= eps and (8, 8) not in eps  # 4 experts: ep 8 cannot split
+    evaluator = LayoutEvaluator(cfg, 8, model, layout_for(model))
+    kw = dict(pp=2, tp=1, ep=2, dp_shard=4, schedule="1F1B", stages_per_rank=1, microbatches=2,
+              activation_checkpoint="none")  # fmt: skip
+    pcfg = _auto(cfg, kw, 1.0)
+    lay = evaluator.evaluate(pcfg)
+    job = plan_job(dataclasses.replace(cfg, parallel=pcfg), 8)
+    assert [r.total_bytes for r in lay.ranks] == [r.total_bytes for r in job.ranks]
+    assert [r.local_params for r in lay.ranks] == [r.local_params for r in job.ranks]
+    # The all-to-all: 4 x tokens x top_k x dim x 2 bytes x (ep - 1) / ep per MoE layer and microbatch, one MoE
+    # layer per pp rank, 2 microbatches of 2 x 32 tokens; on NVLink (ep x tp = 2 fits a node).
+    assert all_to_all_bytes(64, experts, 64, 2, 2) == 4 * 64 * 2 * 64 * 2 / 2
+    dev, dims = Device(*DEVICES["H100"]), evaluator.costs.dims
+    extra = step_time(cfg, lay, dev, dims, experts) - step_time(cfg, lay, dev, dims)
+    assert extra == pytest.approx(2 * 32768 / dev.nvlink_bw * (1 + lay.bubble), rel=1e-6)

@@ -16,6 +16,9 @@ pp rank, at dp/tp coordinate 0 (the largest FSDP shard), it reports:
   steps) and the gradients a backward holds beyond the saved activations (memory.boundary_extras);
   tests/test_planner_memory.py checks the total against a real run's measured peak;
 - the bubble fraction of each schedule: theory where it has a closed form, and simulated.
+- for a mixture of experts (pp_tp.planner.moe): experts per rank and the expert-parallel all-to-all bytes of a
+  step, under balanced routing (the fake forward's dispatch assumes it too); stages are measured per kind of
+  block, so dense and MoE layers of one model cost apart.
 
 compile and float8 are left out of the dry run: neither runs on fake CPU tensors, and neither
 changes the parameter accounting.

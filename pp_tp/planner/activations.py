@@ -99,7 +99,9 @@ def stage_activation_bytes(
     """(saved activations of one microbatch through `stage` (and its loss, on the last stage), what the
     backward's recompute of one checkpointed module saves on top), on fake tensors."""
     act_dtype = torch.bfloat16 if pcfg.mixed_precision == "bf16" else torch.float32
-    stage.to_empty(device="cpu")
+    if any(t.device.type == "meta" for t in (*stage.parameters(), *stage.buffers())):
+        # once only: a second to_empty would swap parameters a previous measurement's autograd still references
+        stage.to_empty(device="cpu")
     if stage.is_first:
         x = torch.zeros(microbatch, seq, dtype=torch.long)
     else:

@@ -10,16 +10,17 @@ from pp_tp._torch import FakeTensorMode
 from pp_tp.config import JobConfig, ParallelConfig, validate
 from pp_tp.config.fsdp_policy import FsdpPolicy
 from pp_tp.errors import ConfigError
-from pp_tp.layout import layout_for
+from pp_tp.layout import ModelDims, layout_for
 from pp_tp.mesh import MESH_DIMS, make_mesh, mesh_shape
 from pp_tp.models.factory import build_model
 from pp_tp.planner.auto import resolve_policies
 from pp_tp.planner.estimates import ScheduleEstimate, candidate_schedules, schedule_estimate
 from pp_tp.planner.fake_world import fake_world
 from pp_tp.planner.memory import RankMemory, StageCost, rank_memory, settle, stage_cost
+from pp_tp.planner.moe import Experts, block_signatures, model_experts, stage_kind
 from pp_tp.planner.schedule_sim import schedule_actions
 from pp_tp.preflight import resolve_embedding
-from pp_tp.split.plan import StagePlan, StageSpec, plan_stages
+from pp_tp.split.plan import StagePlan, plan_stages
 from pp_tp.stages.stage_module import StageModule
 
 
@@ -36,15 +37,13 @@ class JobPlan:
     schedules: list[ScheduleEstimate]
     seconds: float
     policies: ParallelConfig | None = None  # [parallel] with "auto" resolved (per-pp-rank lists where they differ)
+    experts: Experts | None = None  # the model's routed experts (None: dense)
+    dims: ModelDims | None = None
 
     @property
     def peak_bytes(self) -> int:
         """The largest predicted per-rank peak of the configured layout."""
         return max(r.total_bytes for r in self.ranks)
-
-
-def _kind(spec: StageSpec) -> tuple[bool, int, bool]:
-    return spec.embed, len(spec.blocks), spec.head
 
 
 def plan_job(cfg: JobConfig, world_size: int) -> JobPlan:
@@ -70,12 +69,14 @@ def plan_job(cfg: JobConfig, world_size: int) -> JobPlan:
         pcfg = resolve_embedding(pcfg, layout.dims(model))
         plan = plan_stages(model, layout, pcfg, cfg.training.seq_len)
         fake = FakeTensorMode(allow_non_fake_inputs=True)
-        # Blocks of one model are alike: stages with the same (embed, block count, head) cost the same,
-        # so each kind is parallelized and measured once (a 405B-like plan has 4 kinds of 32 stages).
-        kinds: dict[tuple[bool, int, bool], StageCost] = {}
+        # Stages with the same (embed, blocks by signature, head) cost the same, so each kind is parallelized
+        # and measured once (a 405B-like plan has 4 kinds of 32 stages; DeepSeek-V3's dense layers differ).
+        signatures = block_signatures(model, layout)
+        experts = model_experts(model, layout)
+        kinds: dict[tuple, StageCost] = {}
         for spec in plan.stages:
-            if _kind(spec) not in kinds:
-                kinds[_kind(spec)] = stage_cost(
+            if stage_kind(spec, signatures) not in kinds:
+                kinds[stage_kind(spec, signatures)] = stage_cost(
                     StageModule(model, layout, spec),
                     mesh,
                     pcfg,
@@ -85,7 +86,7 @@ def plan_job(cfg: JobConfig, world_size: int) -> JobPlan:
                     layout.dims(model),
                     fake,
                 )
-        costs = [[kinds[_kind(s)] for s in plan.for_rank(r)] for r in range(pcfg.pp)]
+        costs = [[kinds[stage_kind(s, signatures)] for s in plan.for_rank(r)] for r in range(pcfg.pp)]
     ranks = [rank_memory(r, [s.index for s in plan.for_rank(r)], costs[r], pcfg) for r in range(pcfg.pp)]
     actions = schedule_actions(pcfg.schedule, pcfg.pp, pcfg.microbatches, pcfg.stages_per_rank)
     policies = resolve_policies(ranks, actions, cfg.parallel)
@@ -103,4 +104,6 @@ def plan_job(cfg: JobConfig, world_size: int) -> JobPlan:
         schedules,
         time.perf_counter() - t0,
         policies,
+        experts,
+        layout.dims(model),
     )

@@ -1,5 +1,5 @@
 """One layout of the search, evaluated from cached pieces: stage plans per (pp, stages per rank, schedule),
-stage costs per (tp, AC, kind) (pp_tp.planner.stage_costs), schedule actions and bubbles per (schedule,
+stage costs per (tp, AC, ep, kind) (pp_tp.planner.stage_costs), schedule actions and bubbles per (schedule,
 pp, microbatches, stages per rank), and FSDP collective counts per (schedule, rank, policy).
 
 Per pp rank it picks the FSDP policy pair with `"auto"`'s own rule (pp_tp.planner.auto.choose), handing it
@@ -17,6 +17,7 @@ from pp_tp.config import JobConfig, ParallelConfig, validate
 from pp_tp.config.fsdp_policy import FsdpPolicy
 from pp_tp.planner.auto import choose, with_picks
 from pp_tp.planner.memory import RankMemory, rank_memory, settle
+from pp_tp.planner.moe import block_signatures, stage_kind
 from pp_tp.planner.schedule_sim import bubble_fraction, schedule_actions, simulate
 from pp_tp.planner.stage_costs import StageCostCache
 from pp_tp.planner.walk import Walk, walk_step
@@ -45,6 +46,7 @@ class LayoutEvaluator:
     def __init__(self, cfg: JobConfig, world: int, model, layout):
         self.cfg, self.world, self.model, self.layout = cfg, world, model, layout
         self.costs = StageCostCache(cfg, model, layout)
+        self.signatures = block_signatures(model, layout)
         self._plans: dict[tuple, StagePlan] = {}
         self._schedules: dict[tuple, tuple[list, float]] = {}
         self._count_walks: dict[tuple, Walk] = {}
@@ -83,7 +85,9 @@ class LayoutEvaluator:
         for r in range(p.pp):
             specs = plan.for_rank(r)
             costs = [
-                self.costs.cost(p.tp, p.activation_checkpoint, (s.embed, len(s.blocks), s.head), p.dp_shard, microbatch)
+                self.costs.cost(
+                    p.tp, p.activation_checkpoint, p.ep, stage_kind(s, self.signatures), p.dp_shard, microbatch
+                )
                 for s in specs
             ]
             ranks.append(rank_memory(r, [s.index for s in specs], costs, p))

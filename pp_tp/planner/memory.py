@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, field
 
@@ -21,7 +22,7 @@ from pp_tp.stages.stage_module import StageModule
 
 FP32 = 4
 ADAM_STATES = 2  # exp_avg and exp_avg_sq, fp32, on the local shard
-_DP_DIMS = ("dp_replicate", "dp_shard")
+_DP_DIMS = ("dp_replicate", "dp_shard", "dp_shard_mod_ep")  # FSDP's; "ep" splits experts like TP
 
 
 @dataclass
@@ -74,16 +75,27 @@ class StageCost:
     transient_bytes: int = 0
 
 
+def tp_local_shape(p: torch.Tensor) -> tuple[int, ...]:
+    """The parameter's shape as one TP (and EP) rank computes with it: all-gathered over DP, still TP/EP-sharded."""
+    if not isinstance(p, DTensor):
+        return tuple(p.shape)
+    names = p.device_mesh.mesh_dim_names or ()
+    shape = list(p.shape)
+    for i, placement in enumerate(p.placements):
+        dim = getattr(placement, "dim", None)  # Shard and _StridedShard
+        if dim is not None and (i >= len(names) or names[i] not in _DP_DIMS):
+            shape[dim] //= p.device_mesh.size(i)
+    return tuple(shape)
+
+
 def tp_local_numel(p: torch.Tensor) -> int:
     """Elements of the parameter as one TP rank computes with it (all-gathered over DP, still TP-sharded)."""
-    if not isinstance(p, DTensor):
-        return p.numel()
-    names = p.device_mesh.mesh_dim_names or ()
-    split = 1
-    for i, placement in enumerate(p.placements):
-        if placement.is_shard() and (i >= len(names) or names[i] not in _DP_DIMS):
-            split *= p.device_mesh.size(i)
-    return p.numel() // split
+    return math.prod(tp_local_shape(p))
+
+
+def is_expert(p: torch.Tensor) -> bool:
+    """An expert-parallel parameter: FSDP shards it over what EP leaves of dp_shard (pp_tp.parallel.fsdp)."""
+    return isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())
 
 
 def _local_numel(p: torch.Tensor) -> int:

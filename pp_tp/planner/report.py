@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from pp_tp.config import ModelConfig, ParallelConfig
 from pp_tp.parallel.fsdp import uses_fsdp
 from pp_tp.planner.dry_run import JobPlan
+from pp_tp.planner.moe import rank_all_to_all_bytes
 
 
 def _size(n: float) -> str:
@@ -54,23 +54,35 @@ def _header(job: JobPlan) -> list[str]:
         f"world: {job.world_size} ranks (fake process group); mesh {mesh}",
         (
             f"model: dim={m.dim} layers={m.n_layers} heads={m.n_heads}/{m.n_kv_heads or m.n_heads} ffn={m.ffn_dim} "
-            f"vocab={m.vocab_size}{_experts(m, p)}; batch {t.batch_size} x seq {t.seq_len}, "
+            f"vocab={m.vocab_size}; batch {t.batch_size} x seq {t.seq_len}, "
             f"microbatch {job.microbatch} x "
             f"{p.microbatches} per DP rank; {p.mixed_precision}; {fsdp}; "
             f"activation checkpoint {p.activation_checkpoint}"
         ),
+        *([_experts(job)] if job.experts else []),
     ]
 
 
-def _experts(m: ModelConfig, p: ParallelConfig) -> str:
-    """The reference model's experts, when it has any, and how many each rank holds."""
-    if not m.n_experts:
+def _experts(job: JobPlan) -> str:
+    """The routed experts, how many each rank holds, and the expert-parallel all-to-all bytes of a step."""
+    e, p, t = job.experts, job.cfg.parallel, job.cfg.training
+    if e is None:
         return ""
-    split = f" ({m.n_experts // p.ep} per rank over ep={p.ep})" if p.ep > 1 else " (whole on every rank)"
-    split += f", each TP-sharded over tp={p.tp}" if p.tp > 1 else ""
-    return (
-        f" experts={m.n_experts}{split} top{m.top_k} x {m.expert_dim} wide, shared={m.n_shared_experts}, "
-        f"MoE every {m.moe_every} layer(s), {m.router} router"
+    layers = sum(len(s.blocks) for s in job.plan.stages)
+    line = f"experts: {e.n_experts} per MoE layer in {len(e.moe_blocks)} of {layers} layers, top {e.top_k}; "
+    if p.ep == 1:
+        return line + "whole on every rank (parallel.ep = 1)"
+    line += f"{e.per_rank(p.ep)} per rank over ep={p.ep}" + (f", each TP-sharded over tp={p.tp}" if p.tp > 1 else "")
+    dim = job.dims.dim
+    sent = max(
+        rank_all_to_all_bytes(
+            e, (b for s in job.plan.for_rank(r) for b in s.blocks), p, job.microbatch * t.seq_len, dim
+        )
+        for r in range(p.pp)
+    )
+    return line + (
+        f"; all-to-all sent per rank and step {_size(sent)} (balanced routing; the ep group is ep x tp = "
+        f"{p.ep * p.tp} neighbouring ranks)"
     )
 
 

@@ -6,9 +6,13 @@ params + attention per token, fwd+bwd; full AC adds one forward, 1/3 of it) over
 FLOP/s; TP adds 4 ring all-reduces of [mb, seq, dim] bf16 per block per microbatch at NVLink bandwidth;
 FSDP moves the step walk's all-gather and reduce-scatter bytes ((n-1)/n of them) at NVLink bandwidth when
 tp x dp_shard fits a node of 8, else InfiniBand, overlapped with compute (only what exceeds compute
-shows). Step time = max over pp ranks of (compute + TP) x (1 + simulated bubble) + exposed FSDP time.
+shows); expert parallel moves pp_tp.planner.moe.all_to_all_bytes per MoE layer and microbatch (balanced
+routing) at NVLink bandwidth when the ep x tp group fits a node of 8, else InfiniBand, not overlapped (the
+next layer waits for its tokens). Step time = max over pp ranks of (compute + TP + EP) x (1 + simulated
+bubble) + exposed FSDP time.
 
-Searched: tp 1/2/4/8, pp 1 to 32, dp_replicate 1 or dp/8, GPipe, 1F1B, Interleaved1F1B (2 or 4 stages per
+Searched: tp 1/2/4/8, pp 1 to 32, dp_replicate 1 or dp/8, ep every divisor of dp_shard that splits the
+experts evenly (MoE models), GPipe, 1F1B, Interleaved1F1B (2 or 4 stages per
 rank), InterleavedZeroBubble, ZBVZeroBubble, microbatches pp/2pp/4pp, AC none/selective/full, and per pp
 rank the (reshard, grad-reduce) pairs "auto" picks from. Each layout is evaluated from shared caches
 (pp_tp.planner.layout_eval), equal to a full dry run, so 1024 ranks of a 405B model take seconds.
@@ -22,15 +26,16 @@ from dataclasses import dataclass
 
 from pp_tp.config import JobConfig
 from pp_tp.errors import ConfigError
-from pp_tp.layout import layout_for
+from pp_tp.layout import ModelDims, layout_for
 from pp_tp.models.factory import build_model
 from pp_tp.planner.auto import GIB, comm_bytes
 from pp_tp.planner.layout_eval import LayoutEvaluator, LayoutPlan
+from pp_tp.planner.moe import Experts, model_experts, rank_all_to_all_bytes
 
 DEVICES = {"H100": (989e12, 450e9, 50e9), "H200": (989e12, 450e9, 50e9)}  # bf16 dense FLOP/s, NVLink, IB B/s
 NODE = 8
 TPS, PPS = (1, 2, 4, 8), (1, 2, 4, 8, 16, 32)
-PARALLEL_KEYS = ("pp", "tp", "dp_replicate", "dp_shard", "schedule", "stages_per_rank", "microbatches")
+PARALLEL_KEYS = ("pp", "tp", "ep", "dp_replicate", "dp_shard", "schedule", "stages_per_rank", "microbatches")
 POLICY_KEYS = ("fsdp_reshard_after_forward", "fsdp_grad_reduce", "activation_checkpoint")
 
 
@@ -49,10 +54,10 @@ class Candidate:
     bubble: float
 
 
-def step_time(cfg: JobConfig, lay: LayoutPlan, dev: Device) -> float:
+def step_time(cfg: JobConfig, lay: LayoutPlan, dev: Device, dims: ModelDims, experts: Experts | None = None) -> float:
     """Seconds per step of the evaluated layout under the cost model in the module docstring."""
     p, t = lay.pcfg, cfg.training
-    d = cfg.model.dim
+    d = dims.dim
     tokens = lay.microbatch * t.seq_len
     recompute = {"full": 4 / 3, "selective": 1.1}.get(p.activation_checkpoint, 1.0)
     worst = 0.0
@@ -64,7 +69,11 @@ def step_time(cfg: JobConfig, lay: LayoutPlan, dev: Device) -> float:
         tp_time = 4 * blocks * p.microbatches * ar
         bw = dev.nvlink_bw if p.tp * p.dp_shard <= NODE else dev.ib_bw
         fsdp = comm_bytes(r, walk) * (p.dp_shard - 1) / max(p.dp_shard, 1) / bw
-        worst = max(worst, (compute + tp_time) * (1 + lay.bubble) + max(0.0, fsdp - compute))
+        ep_time = 0.0
+        if experts is not None and p.ep > 1:  # the ep group is ep x tp neighbouring ranks (pp_tp.mesh)
+            sent = rank_all_to_all_bytes(experts, (b for s in stages for b in s.blocks), p, tokens, d)
+            ep_time = sent / (dev.nvlink_bw if p.ep * p.tp <= NODE else dev.ib_bw)
+        worst = max(worst, (compute + tp_time + ep_time) * (1 + lay.bubble) + max(0.0, fsdp - compute))
     return worst
 
 
@@ -77,7 +86,14 @@ def _schedules(pp: int, layers: int) -> list[tuple[str, int]]:
     return [(s, v) for s, v in pairs if pp * v <= layers]
 
 
-def _layouts(cfg: JobConfig, world: int):
+def _eps(dp_shard: int, experts: Experts | None) -> list[int]:
+    """Expert-parallel degrees tried: divisors of dp_shard that split the experts evenly (1 for a dense model)."""
+    if experts is None:
+        return [1]
+    return [e for e in range(1, dp_shard + 1) if dp_shard % e == 0 and experts.n_experts % e == 0]
+
+
+def _layouts(cfg: JobConfig, world: int, experts: Experts | None = None):
     """Every layout the search evaluates: degrees, schedule, stages per rank, microbatches, AC."""
     heads, kv = cfg.model.n_heads, cfg.model.n_kv_heads or cfg.model.n_heads
     for tp, pp in itertools.product(TPS, PPS):
@@ -87,9 +103,9 @@ def _layouts(cfg: JobConfig, world: int):
         for rep in sorted({1, dp // NODE} - {0}) if dp > NODE else (1,):
             for (sched, spr), m in itertools.product(_schedules(pp, cfg.model.n_layers), sorted({pp, 2 * pp, 4 * pp})):
                 if cfg.training.batch_size % (dp * m) == 0:
-                    for ac in ("none", "selective", "full"):
+                    for ep, ac in itertools.product(_eps(dp // rep, experts), ("none", "selective", "full")):
                         yield dict(
-                            pp=pp, tp=tp, dp_replicate=rep, dp_shard=dp // rep, schedule=sched,
+                            pp=pp, tp=tp, ep=ep, dp_replicate=rep, dp_shard=dp // rep, schedule=sched,
                             stages_per_rank=spr, microbatches=m, activation_checkpoint=ac,
                         )  # fmt: skip
 
@@ -97,9 +113,11 @@ def _layouts(cfg: JobConfig, world: int):
 def search(cfg: JobConfig, world: int, budget_gib: float, dev: Device, top: int) -> list[Candidate]:
     """The `top` fitting layouts, fastest first; FSDP policies are "auto" under the budget for each."""
     model = build_model(cfg.model, "meta")
-    evaluator = LayoutEvaluator(cfg, world, model, layout_for(model))
+    layout = layout_for(model)
+    evaluator = LayoutEvaluator(cfg, world, model, layout)
+    experts = model_experts(model, layout)
     found = []
-    for kw in _layouts(cfg, world):
+    for kw in _layouts(cfg, world, experts):
         pcfg = dataclasses.replace(
             cfg.parallel, **kw, fsdp_reshard_after_forward="auto", fsdp_grad_reduce="auto",
             memory_budget_gib=budget_gib, split="balanced", layers_per_stage=None, stage_fqns=None,
@@ -111,7 +129,8 @@ def search(cfg: JobConfig, world: int, budget_gib: float, dev: Device, top: int)
             continue  # not a valid layout for this model and batch
         if lay is not None:
             keys = {k: getattr(lay.pcfg, k) for k in PARALLEL_KEYS + POLICY_KEYS}
-            found.append(Candidate(keys, lay.peak_bytes / GIB, step_time(cfg, lay, dev), lay.bubble))
+            time_s = step_time(cfg, lay, dev, evaluator.costs.dims, experts)
+            found.append(Candidate(keys, lay.peak_bytes / GIB, time_s, lay.bubble))
     return sorted(found, key=lambda c: c.step_time_s)[:top]
 
 

@@ -1,14 +1,16 @@
-"""Stage costs for the layout search, measured once per (tp, activation checkpointing) and reused.
+"""Stage costs for the layout search, measured once per (tp, activation checkpointing, ep) and reused.
 
 A full dry run per candidate parallelizes and runs every stage kind on fake tensors (about a second for a
-405B-like job); hundreds of candidates would take minutes. Blocks of one model are alike and saved
-activations grow with the microbatch, so a stage of kind (embed, n blocks, head) is measured at n = 1
-(and a plain stage at n = 1 and 2, for what a block adds), on dp = 1, with microbatches of one and two
-sequences, and the rest follows:
+405B-like job); hundreds of candidates would take minutes. Blocks with the same parameter shapes are alike
+(pp_tp.planner.moe.block_signatures: dense and MoE layers differ) and saved activations grow with the
+microbatch, so a stage of kind (embed, blocks, head) is measured with its first block only, plus, per further
+block, a plain stage of (x, that block) minus one of (x) for what the block adds; on a fake world of ep x tp
+ranks, with microbatches of one and two sequences, and the rest follows:
 
-- parameters: the TP-local shapes of each part; FSDP gives dp/tp coordinate 0 the first chunk of dim 0,
-  ceil(d0 / dp_shard) rows (torch.chunk, as fully_shard pads), so any dp_shard is counted exactly;
-- activations: linear in n and affine in the microbatch (rotary slices do not grow with it).
+- parameters: the TP/EP-local shapes of each part; FSDP gives dp/tp coordinate 0 the first chunk of dim 0,
+  ceil(d0 / dp_shard) rows (torch.chunk, as fully_shard pads), experts ceil(d0 / (dp_shard / ep)), so any
+  dp_shard is counted exactly;
+- activations: additive over blocks and affine in the microbatch (rotary slices do not grow with it).
 
 tests/test_planner_search.py checks the result equals the full dry run (pp_tp.planner.plan_job).
 """
@@ -21,123 +23,163 @@ import warnings
 from collections import Counter
 from dataclasses import dataclass
 
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
-
 from pp_tp._torch import FakeTensorMode
 from pp_tp.config import JobConfig
 from pp_tp.config.fsdp_policy import FsdpPolicy
-from pp_tp.mesh import MESH_DIMS
+from pp_tp.mesh import make_mesh
 from pp_tp.models.factory import build_model
 from pp_tp.parallel.apply import parallelize_stage
 from pp_tp.planner.activations import stage_activation_bytes
 from pp_tp.planner.fake_world import fake_world
-from pp_tp.planner.memory import StageCost, boundary_extras, tp_local_numel
+from pp_tp.planner.memory import StageCost, boundary_extras, is_expert, tp_local_numel, tp_local_shape
+from pp_tp.planner.moe import Signature, block_signatures
 from pp_tp.preflight import resolve_embedding
 from pp_tp.split.plan import StageSpec
 from pp_tp.stages.stage_module import StageModule
 
-Kind = tuple[bool, int, bool]  # (embed, blocks, head)
+Kind = tuple[bool, tuple, bool]  # pp_tp.planner.moe.stage_kind
+Probe = tuple[bool, tuple[str, ...], bool]  # a measured stage of the small model: (embed, block keys, head)
 
 
 @dataclass(frozen=True)
 class Measured:
-    """One measured stage: TP-local parameter shapes as {(dim0, rest): count}, its largest FSDP unit's
-    TP-local elements, and saved activation bytes of microbatches of one and two sequences."""
+    """One measured stage: TP/EP-local parameter shapes as {(dim0, rest): count}, dense and experts apart, the
+    TP-local elements of each block and of the rest (FSDP units), and saved activation bytes of microbatches of
+    one and two sequences."""
 
     shapes: Counter
-    unit: int
+    experts: Counter  # expert-parallel parameters: FSDP shards them over dp_shard / ep
+    blocks: tuple[int, ...]
+    rest: int
     act: int
     act2: int  # at a microbatch of two sequences: activations are affine in the microbatch (rotary slices)
     recompute: int = 0  # what the backward's recompute of one checkpointed module saves, at one and two
     recompute2: int = 0
 
-    def local(self, dp_shard: int) -> int:
+    def local(self, dp_shard: int, ep: int) -> int:
         """Elements of the largest (first) FSDP shard."""
-        return sum(n * math.ceil(d0 / dp_shard) * rest for (d0, rest), n in self.shapes.items())
+        return _sharded(self.shapes, dp_shard) + _sharded(self.experts, dp_shard // ep)
 
     @property
     def tp_local(self) -> int:
-        return sum(n * d0 * rest for (d0, rest), n in self.shapes.items())
+        return _sharded(self.shapes, 1) + _sharded(self.experts, 1)
+
+    @property
+    def unit(self) -> int:
+        """The largest FSDP unit's TP-local elements (a block, or the stage's own parameters)."""
+        return max([*self.blocks, self.rest])
+
+
+def _sharded(shapes: Counter, n: int) -> int:
+    """Elements of the first of `n` FSDP shards of parameters of these shapes (torch.chunk's rows)."""
+    return sum(k * math.ceil(d0 / n) * rest for (d0, rest), k in shapes.items())
 
 
 def _shape(p) -> tuple[int, int]:
-    """(dim 0, elements per row) of the parameter as one TP rank holds it (on dp = 1, its local tensor)."""
-    local = p.to_local() if isinstance(p, DTensor) else p
-    d0 = local.shape[0] if local.dim() else 1
-    return d0, local.numel() // max(d0, 1)
+    """(dim 0, elements per row) of the parameter as one TP/EP rank holds it, all-gathered over DP."""
+    shape = tp_local_shape(p)
+    d0 = shape[0] if shape else 1
+    return d0, math.prod(shape) // max(d0, 1)
+
+
+def _plus(acc: Counter, add: Counter, sub: Counter) -> None:
+    """acc += add - sub, keeping negative counts until the sum is done."""
+    acc.update(add)
+    acc.subtract(sub)
 
 
 class StageCostCache:
-    """Stage costs of one job's model under any layout; measurements are keyed by (tp, AC, kind)."""
+    """Stage costs of one job's model under any layout; measurements are keyed by (tp, AC, ep, probe)."""
 
     def __init__(self, cfg: JobConfig, model, layout):
         self.cfg, self.model, self.layout = cfg, model, layout
-        self._measured: dict[tuple[int, str, Kind], Measured] = {}
+        self._measured: dict[tuple[int, str, int, Probe], Measured] = {}
         self._costs: dict[tuple, StageCost] = {}
         self.dims = layout.dims(model)
-        # Two blocks are all a measurement needs; an HF model keeps its config.json's shape.
-        few = {"n_layers": min(2, cfg.model.n_layers)} if not cfg.model.hf_path else {}
+        # Few blocks are all a measurement needs (two of each kind); an HF model keeps its config.json's shape.
+        every = max(cfg.model.moe_every, 1) if cfg.model.n_experts else 1
+        few = {"n_layers": min(2 * every, cfg.model.n_layers)} if not cfg.model.hf_path else {}
         self._small = dataclasses.replace(cfg.model, **few)
+        small = build_model(self._small, "meta")
+        # The small model's block keys by signature (the full model's blocks are measured on these).
+        self._keys: dict[Signature, list[str]] = {}
+        for key, sig in block_signatures(small, layout).items():
+            self._keys.setdefault(sig, []).append(key)
+        self._first = layout.block_keys(small)[0] if self._keys else None
 
-    def _spec(self, kind: Kind) -> StageSpec:
-        embed, n, head = kind
-        keys = self.layout.block_keys(self.model)[:n]
+    def _spec(self, probe: Probe) -> StageSpec:
+        embed, keys, head = probe
         fqns = ([self.layout.embed] if embed else []) + [f"{self.layout.blocks}.{b}" for b in keys]
         fqns += [self.layout.norm, self.layout.head] if head else []
-        return StageSpec(0, 0, embed, keys, head, fqns)
+        return StageSpec(0, 0, embed, list(keys), head, fqns)
 
-    def _measure(self, tp: int, ac: str, kinds: list[Kind]) -> None:
-        """Parallelizes and runs each kind on a fake world of tp ranks (pp = dp = 1), one sequence."""
+    def _measure(self, tp: int, ac: str, ep: int, probes: list[Probe]) -> None:
+        """Parallelizes and runs each probe on a fake world of ep x tp ranks (pp = 1, dp_shard = ep), one
+        sequence; shapes are read all-gathered over DP, so dp_shard = ep shards nothing that is counted."""
         sized = resolve_embedding(dataclasses.replace(self.cfg.parallel, tp=tp), self.dims)
         pcfg = dataclasses.replace(
-            sized, pp=1, tp=tp, dp_shard=1, dp_replicate=1, activation_checkpoint=ac, compile=False,
+            sized, pp=1, tp=tp, ep=ep, dp_shard=ep, dp_replicate=1, activation_checkpoint=ac, compile=False,
             float8=False, fsdp_reshard_after_forward="default", fsdp_grad_reduce="step", schedule="1F1B",
             stages_per_rank=1, split="balanced", layers_per_stage=None, stage_fqns=None,
         )  # fmt: skip
         seq, dim = self.cfg.training.seq_len, self.layout.dims(self.model).dim
-        with fake_world(tp), warnings.catch_warnings():
+        with fake_world(ep * tp), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-            mesh = init_device_mesh("cpu", (1, 1, 1, tp), mesh_dim_names=MESH_DIMS)
+            mesh = make_mesh("cpu", pcfg, ep * tp)
             fake = FakeTensorMode(allow_non_fake_inputs=True)
-            for kind in kinds:
+            for probe in probes:
                 model = build_model(self._small, "meta")  # the passes change the model's modules in place
-                stage = StageModule(model, self.layout, self._spec(kind))
+                stage = StageModule(model, self.layout, self._spec(probe))
                 parallelize_stage(stage, mesh, pcfg, FsdpPolicy.for_rank(pcfg, 0))
-                shapes = Counter(_shape(p) for p in stage.parameters())
+                shapes = Counter(_shape(p) for p in stage.parameters() if not is_expert(p))
+                experts = Counter(_shape(p) for p in stage.parameters() if is_expert(p))
                 blocks = [sum(tp_local_numel(p) for p in b.parameters()) for b in stage.block_modules()]
                 total = sum(tp_local_numel(p) for p in stage.parameters())
                 with fake:
                     (act1, re1), (act2, re2) = (
                         stage_activation_bytes(stage, mesh, pcfg, mb, seq, dim) for mb in (1, 2)
                     )
-                unit = max([*blocks, total - sum(blocks)])
-                self._measured[(tp, ac, kind)] = Measured(shapes, unit, act1, act2, re1, re2)
+                self._measured[(tp, ac, ep, probe)] = Measured(
+                    shapes, experts, tuple(blocks), total - sum(blocks), act1, act2, re1, re2
+                )
 
-    def _get(self, tp: int, ac: str, kinds: list[Kind]) -> list[Measured]:
-        missing = [k for k in dict.fromkeys(kinds) if (tp, ac, k) not in self._measured]
+    def _get(self, tp: int, ac: str, ep: int, probes: list[Probe]) -> list[Measured]:
+        missing = [k for k in dict.fromkeys(probes) if (tp, ac, ep, k) not in self._measured]
         if missing:
-            self._measure(tp, ac, missing)
-        return [self._measured[(tp, ac, k)] for k in kinds]
+            self._measure(tp, ac, ep, missing)
+        return [self._measured[(tp, ac, ep, k)] for k in probes]
 
-    def cost(self, tp: int, ac: str, kind: Kind, dp_shard: int, microbatch: int) -> StageCost:
+    def _probes(self, kind: Kind) -> tuple[Probe, list[tuple[Probe, Probe]]]:
+        """The stage with its first block only, and per further block the plain pair (x, that block) and (x)
+        whose difference is what the block adds wherever it is (x: the small model's first block)."""
+        embed, sigs, head = kind
+        one = (embed, (self._keys[sigs[0]][0],) if sigs else (), head)
+        pairs = []
+        for sig in sigs[1:]:
+            key = next(k for k in self._keys[sig] if k != self._first)
+            pairs.append(((False, (self._first, key), False), (False, (self._first,), False)))
+        return one, pairs
+
+    def cost(self, tp: int, ac: str, ep: int, kind: Kind, dp_shard: int, microbatch: int) -> StageCost:
         """The StageCost the full dry run would measure for this stage kind and layout."""
-        key = (tp, ac, kind, dp_shard, microbatch)
+        key = (tp, ac, ep, kind, dp_shard, microbatch)
         if key not in self._costs:
-            embed, n, head = kind
-            if n >= 1 and self.layout.dims(self.model).n_layers >= 2:  # a block adds the same wherever it is
-                one, b1, b2 = self._get(tp, ac, [(embed, 1, head), (False, 1, False), (False, 2, False)])
-            else:
-                one = b1 = b2 = self._get(tp, ac, [kind])[0]
-            k = max(n - 1, 0)
-            shapes = Counter({s: one.shapes[s] + k * (b2.shapes[s] - b1.shapes[s]) for s in one.shapes | b2.shapes})
-            act1, act2 = (getattr(one, a) + k * (getattr(b2, a) - getattr(b1, a)) for a in ("act", "act2"))
-            probe = Measured(+shapes, max(one.unit, b2.unit), act1, act2)
+            embed, _, head = kind
+            one_probe, pairs = self._probes(kind)
+            one, *rest = self._get(tp, ac, ep, [one_probe, *(p for pair in pairs for p in pair)])
+            shapes, experts = Counter(one.shapes), Counter(one.experts)
+            act1, act2 = one.act, one.act2
+            for two, single in zip(rest[::2], rest[1::2]):  # what each further block adds
+                _plus(shapes, two.shapes, single.shapes)
+                _plus(experts, two.experts, single.experts)
+                act1, act2 = act1 + two.act - single.act, act2 + two.act2 - single.act2
+            blocks = one.blocks + tuple(two.blocks[-1] for two in rest[::2])
+            probe = Measured(+shapes, +experts, blocks, one.rest, act1, act2)
             act = act1 + (microbatch - 1) * (act2 - act1)
             recompute = one.recompute + (microbatch - 1) * (one.recompute2 - one.recompute)
             pcfg = dataclasses.replace(self.cfg.parallel, tp=tp)
             buffers, transient = boundary_extras(embed, head, pcfg, microbatch, self.cfg.training.seq_len, self.dims)
             self._costs[key] = StageCost(
-                probe.local(dp_shard), probe.tp_local, act, probe.unit, buffers, transient + recompute
+                probe.local(dp_shard, ep), probe.tp_local, act, probe.unit, buffers, transient + recompute
             )
         return self._costs[key]

@@ -1,0 +1,86 @@
+"""What mixture-of-experts changes in a plan: blocks of one model that differ (DeepSeek-V3's dense first layers
+beside MoE ones), the experts each rank holds, and the expert-parallel all-to-all bytes of a step.
+
+The all-to-all model assumes balanced routing (the dry run's fake forward does too, pp_tp.parallel.expert_dispatch):
+per MoE layer and microbatch each rank sends top_k copies of its T tokens' hidden states, (ep - 1) / ep of them to
+other ranks, and gets as many expert outputs back; the backward moves the same twice more (4 all-to-alls).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from torch import nn
+
+from pp_tp.config import ParallelConfig
+from pp_tp.errors import ConfigError
+from pp_tp.layout import ModelLayout
+from pp_tp.parallel.experts import experts_modules, n_experts
+from pp_tp.split.plan import StageSpec
+
+Signature = tuple  # (name, shape) of every parameter of a block: blocks with equal signatures cost the same
+
+
+def block_signatures(model: nn.Module, layout: ModelLayout) -> dict[str, Signature]:
+    """Each block's parameter names and shapes, by block key (on meta: nothing is read)."""
+    blocks = model.get_submodule(layout.blocks)
+    return {
+        key: tuple((n, tuple(p.shape)) for n, p in blocks.get_submodule(key).named_parameters())
+        for key in layout.block_keys(model)
+    }
+
+
+def stage_kind(spec: StageSpec, signatures: dict[str, Signature]) -> tuple[bool, tuple, bool]:
+    """(embed, its blocks' signatures in order, head): stages of one kind cost the same."""
+    return spec.embed, tuple(signatures[b] for b in spec.blocks), spec.head
+
+
+@dataclass(frozen=True)
+class Experts:
+    """The model's routed experts: `n_experts` per MoE layer, `top_k` per token, the MoE layers' block keys."""
+
+    n_experts: int
+    top_k: int
+    moe_blocks: frozenset[str]
+
+    def per_rank(self, ep: int) -> int:
+        """Experts of one MoE layer on each rank under expert parallel `ep`."""
+        return self.n_experts // ep
+
+
+def model_experts(model: nn.Module, layout: ModelLayout) -> Experts | None:
+    """The model's experts (None for a dense model); top_k from its config (`num_experts_per_tok`, Hugging Face)
+    or arguments (`top_k`, the reference model)."""
+    blocks = model.get_submodule(layout.blocks)
+    counts = {
+        key: n_experts(found[0][1])
+        for key in layout.block_keys(model)
+        if (found := experts_modules(blocks.get_submodule(key), layout))
+    }
+    if not counts:
+        return None
+    config = getattr(model, "config", None) or getattr(model, "args", None)
+    top_k = getattr(config, "num_experts_per_tok", None) or getattr(config, "top_k", None)
+    if not top_k:
+        raise ConfigError(
+            f"pp-tp plan: model {type(model).__name__} has experts but no num_experts_per_tok or top_k in its "
+            "config; the planner cannot size the routed tokens (run without the planner)"
+        )
+    return Experts(max(counts.values()), int(top_k), frozenset(counts))
+
+
+def all_to_all_bytes(tokens: int, experts: Experts, dim: int, ep: int, act_bytes: int) -> float:
+    """Bytes one rank sends to other ranks per MoE layer and microbatch of `tokens` tokens, forward and backward
+    (dispatch and combine each way), under balanced routing."""
+    return 4 * tokens * experts.top_k * dim * act_bytes * (ep - 1) / ep
+
+
+def rank_all_to_all_bytes(
+    experts: Experts, blocks: Iterable[str], pcfg: ParallelConfig, tokens: int, dim: int
+) -> float:
+    """Bytes one rank sends to other ranks per step: all_to_all_bytes for each MoE layer among `blocks` (the rank's
+    block keys) and each of its microbatches of `tokens` tokens, in the activation dtype."""
+    layers = sum(b in experts.moe_blocks for b in blocks)
+    act = 2 if pcfg.mixed_precision == "bf16" else 4
+    return all_to_all_bytes(tokens, experts, dim, pcfg.ep, act) * layers * pcfg.microbatches
