@@ -17,7 +17,7 @@ import pp_tp
 from pp_tp.config import JobConfig, ModelConfig, TrainingConfig, load_config, validate
 from pp_tp.errors import ConfigError
 from pp_tp.models.factory import build_model
-from pp_tp.models.reference import Transformer
+from pp_tp.models.reference import Transformer, moe
 from pp_tp.models.reference.moe import Experts, MoE, Router
 from pp_tp.planner import plan_job
 from pp_tp.tensor_utils import persistent_buffers
@@ -76,6 +76,39 @@ def test_experts_equal_a_naive_loop_and_ignore_foreign_ids():
     none = experts(hidden, torch.full((10, 2), 4), weights)  # nothing local: zeros, and still a gradient
     assert not none.any()
     assert torch.autograd.grad(none.sum(), experts.gate_up_proj)[0].shape == experts.gate_up_proj.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_experts_equal_the_per_expert_loop(monkeypatch, dtype):
+    """Where grouped_mm fits (16-byte strides), it gives the loop's output and gradients bit for bit on uneven
+    routing with an empty expert and foreign ids, under a stride-0 output gradient (sum); unaligned dims
+    (hidden 6: 24-byte fp32 or 12-byte bf16 rows) take the loop."""
+    experts = _experts(dim=16, hidden=8).to(dtype)
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(9, 16, generator=gen).to(dtype).requires_grad_()
+    index = torch.tensor([[0, 1], [1, 0], [3, 1], [1, -1], [4, 0], [3, 3], [0, 7], [1, 0], [-5, 3]])  # 2: none
+    weights = torch.rand(9, 2, generator=gen).to(dtype)
+    wrt = (hidden, experts.gate_up_proj, experts.down_proj)
+    calls, grouped = [], Experts._grouped
+    monkeypatch.setattr(Experts, "_grouped", lambda self, *a: calls.append(1) or grouped(self, *a))
+    got = experts(hidden, index, weights)
+    got_grads = torch.autograd.grad(got.sum(), wrt)
+    none = experts(hidden, torch.full((9, 2), 4), weights)  # nothing local: zeros, still a gradient
+    assert not none.any() and torch.autograd.grad(none.sum(), experts.down_proj)[0].shape == (4, 16, 8)
+    assert calls == [1, 1]
+    monkeypatch.setattr(moe, "_grouped_mm_fits", lambda *t: False)
+    want = experts(hidden, index, weights)
+    want_grads = torch.autograd.grad(want.sum(), wrt)
+    assert calls == [1, 1] and torch.equal(got, want) and got.abs().sum() > 0
+    for g, w in zip(got_grads, want_grads):
+        assert torch.equal(g, w)
+    assert not got_grads[1][2].any() and got_grads[1][[0, 1, 3]].abs().sum(dim=(1, 2)).min() > 0
+    monkeypatch.undo()
+    calls.clear()
+    monkeypatch.setattr(Experts, "_grouped", lambda self, *a: calls.append(1) or grouped(self, *a))
+    small = _experts().to(dtype)  # hidden 6: down_proj rows of 24 (fp32) or 12 (bf16) bytes, not 16-aligned
+    small(hidden[:, :8], index, weights).sum().backward()
+    assert calls == []
 
 
 @pytest.mark.parametrize("scoring, norm_topk", [("softmax", True), ("softmax", False), ("sigmoid", True)])

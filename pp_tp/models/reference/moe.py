@@ -67,20 +67,45 @@ class Experts(nn.Module):
         """hidden [T, dim] -> [T, dim]: for each token, sum over its k slots of weight * expert(hidden)."""
         n_experts, k = self.num_experts, top_k_index.shape[-1]
         slots = top_k_index.reshape(-1)
-        # Slots grouped by expert (stable: token order kept within an expert); foreign ids sort last, unused.
+        # Slots grouped by expert (stable: token order kept within an expert); foreign ids sort last, dropped.
         expert = torch.where((slots >= 0) & (slots < n_experts), slots, n_experts)
         order = torch.argsort(expert, stable=True)
         counts = _slot_counts(expert, n_experts)
-        tokens, weights = order // k, top_k_weights.reshape(-1)[order]
-        out = torch.zeros_like(hidden)
-        start = 0
-        for gate_up, down, count in zip(self.gate_up_proj.unbind(0), self.down_proj.unbind(0), counts):
-            token = tokens[start : start + count]
-            gate, up = F.linear(hidden[token], gate_up).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, down) * weights[start : start + count, None]
-            out.index_add_(0, token, y.to(out.dtype))
-            start += count
-        return out
+        local = sum(counts)
+        tokens, weights = order[:local] // k, top_k_weights.reshape(-1)[order[:local]]
+        x = hidden[tokens]
+        run = self._grouped if _grouped_mm_fits(x, self.gate_up_proj, self.down_proj) else self._loop
+        y = run(x, counts) * weights[:, None]
+        return torch.zeros_like(hidden).index_add_(0, tokens, y.to(hidden.dtype))
+
+    def _loop(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x [N, dim] grouped by expert -> [N, dim], one expert at a time (any device, dtype, layout)."""
+        parts = []
+        for gate_up, down, x_e in zip(self.gate_up_proj.unbind(0), self.down_proj.unbind(0), x.split(counts)):
+            gate, up = F.linear(x_e, gate_up).chunk(2, dim=-1)
+            parts.append(F.linear(F.silu(gate) * up, down))
+        return torch.cat(parts)
+
+    def _grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The same as `_loop` in two grouped matmuls over all experts (group e = the rows of expert e)."""
+        offs = torch.tensor(counts, device=x.device).cumsum(0, dtype=torch.int32)
+        gate, up = F.grouped_mm(x, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        return F.grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
+
+
+def _grouped_mm_fits(*tensors: torch.Tensor) -> bool:
+    """Whether F.grouped_mm takes these tensors exactly as the loop would: plain (not fake, DTensor or float8) CPU
+    tensors, the device it was measured exact on, fp32 or bf16 alike, every stride but the unit one and the start
+    aligned to 16 bytes (its kernel refuses others). Anything else runs the per-expert loop."""
+    dtype = tensors[0].dtype
+    return dtype in (torch.float32, torch.bfloat16) and all(
+        type(t) in (torch.Tensor, nn.Parameter)
+        and t.device.type == "cpu"
+        and t.dtype == dtype
+        and t.data_ptr() % 16 == 0
+        and all(s * t.element_size() % 16 == 0 for s in t.stride() if s != 1)
+        for t in tensors
+    )
 
 
 def _slot_counts(expert: torch.Tensor, n_experts: int) -> list[int]:
