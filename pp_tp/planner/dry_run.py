@@ -75,17 +75,9 @@ def plan_job(cfg: JobConfig, world_size: int) -> JobPlan:
         experts = model_experts(model, layout)
         kinds: dict[tuple, StageCost] = {}
         for spec in plan.stages:
-            if stage_kind(spec, signatures) not in kinds:
-                kinds[stage_kind(spec, signatures)] = stage_cost(
-                    StageModule(model, layout, spec),
-                    mesh,
-                    pcfg,
-                    fixed,
-                    microbatch,
-                    cfg.training.seq_len,
-                    layout.dims(model),
-                    fake,
-                )
+            if (kind := stage_kind(spec, signatures)) not in kinds:
+                stage, seq = StageModule(model, layout, spec), cfg.training.seq_len
+                kinds[kind] = stage_cost(stage, mesh, pcfg, fixed, microbatch, seq, layout.dims(model), fake)
         costs = [[kinds[stage_kind(s, signatures)] for s in plan.for_rank(r)] for r in range(pcfg.pp)]
     ranks = [rank_memory(r, [s.index for s in plan.for_rank(r)], costs[r], pcfg) for r in range(pcfg.pp)]
     actions = schedule_actions(pcfg.schedule, pcfg.pp, pcfg.microbatches, pcfg.stages_per_rank)
