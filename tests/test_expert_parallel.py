@@ -30,7 +30,8 @@ CASES4 = [
     ("deepseek_v3", dict(pp=2, schedule="Interleaved1F1B", microbatches=2, **EP)),  # MLA, group routing, bias
     ("qwen2_moe", dict(pp=2, schedule="ZBVZeroBubble", microbatches=4, **TP)),  # a V schedule, gated shared expert
     ("gpt_oss", dict(pp=2, schedule="1F1B", microbatches=2, **EP)),  # sinks, sliding layers, biased experts
-    ("glm4_moe", dict(pp=2, schedule="Interleaved1F1B", microbatches=2, **TP)),  # dense first layer, shared experts
+    # MLA split by heads around its whole latents, a dense first layer, shared experts (GLM-4.5 in the sweep)
+    ("deepseek_v2", dict(pp=2, schedule="Interleaved1F1B", microbatches=2, **TP)),
 ]
 CASES8 = [
     ("mixtral_moe", dict(pp=2, schedule="1F1B", microbatches=2, **EP, **TP)),  # pp2 x ep2 x tp2

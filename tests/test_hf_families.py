@@ -59,7 +59,8 @@ FAMILIES = {
         dict(embedding_multiplier=3.0, logits_scaling=4.0, residual_multiplier=0.5, attention_multiplier=0.3),
         "sdpa",
     ),
-    "phi3_fused": (T.Phi3Config, dict(), "sdpa"),
+    "phi3_fused": (T.Phi3Config, dict(), "sdpa"),  # GQA: q/k/v parts differ, so qkv_proj stays gathered
+    "phi3_mha": (T.Phi3Config, dict(num_key_value_heads=4), "sdpa"),  # qkv_proj split per part too
     "olmo2_fullwidth_norm": (T.Olmo2Config, dict(), "sdpa"),
     "starcoder2": (T.Starcoder2Config, dict(use_bias=True, norm_type="layer_norm"), "sdpa"),
     "cohere_logit_scale": (T.CohereConfig, dict(logit_scale=0.5), "sdpa"),  # a family no issue named
@@ -73,7 +74,7 @@ FAMILIES = {
     # config shrunk by the self-check's rule (tests/test_buffers.py)
     "glm4_moe": ("glm4_moe", {}, "sdpa"),
     "deepseek_v3": ("deepseek_v3", {}, "sdpa"),
-    "deepseek_v2": ("deepseek_v2", {}, "sdpa"),
+    "deepseek_v2": ("deepseek_v2", dict(first_k_dense_replace=1), "sdpa"),
     "minicpm3": ("minicpm3", {}, "sdpa"),
     "exaone_moe": ("exaone_moe", {}, "sdpa"),
     "dots1": ("dots1", {}, "sdpa"),
@@ -161,6 +162,7 @@ CASES4 = [
     ("gemma3_alternating", dict(pp=2, schedule="Interleaved1F1B", microbatches=2, **TP)),
     ("granite", dict(pp=2, schedule="1F1B", microbatches=2, **TP, loss_parallel=True)),
     ("phi3_fused", dict(pp=2, schedule="ZBVZeroBubble", microbatches=4, **TP)),
+    ("phi3_mha", dict(pp=1, dp_shard=2, schedule="1F1B", microbatches=2, **TP)),  # per part, FSDP on dim 1
     ("olmo2_fullwidth_norm", dict(pp=2, schedule="1F1B", microbatches=2, **TP)),
     ("starcoder2", dict(pp=2, schedule="Interleaved1F1B", microbatches=2, **TP)),
     ("cohere_logit_scale", dict(pp=2, schedule="1F1B", microbatches=2, **TP)),
@@ -226,27 +228,23 @@ def _per_block_collectives(name: str) -> dict[tuple[str, str], float]:
 
 
 def _count_families() -> list[dict]:
-    return [_per_block_collectives(name) for name in ("llama", "phi3_fused", "olmo2_fullwidth_norm")]
+    names = ("llama", "phi3_mha", "phi3_fused", "olmo2_fullwidth_norm", "minicpm3")
+    return [_per_block_collectives(name) for name in names]
 
 
 def test_tp_collectives_per_block_at_tp2(world):
-    """Megatron's minimum for a plain family; fused projections and full-width q/k norms keep HF's own exact
-    plan, which gathers the fused (or normed) projection output and splits it again before the row-parallel layer."""
+    """Megatron's minimum for a plain family, fused projections split per part (Phi3 with full MHA) and MLA split by
+    heads around its whole latents (MiniCPM3); under GQA
+    Phi3's qkv_proj and full-width q/k norms keep HF's own exact plan, which gathers the fused (or normed)
+    projection output and splits it again before the row-parallel layer."""
     minimum = {("fwd", "all_reduce"): 2, ("bwd", "all_reduce"): 2}
-    gathered = {
-        ("fwd", "all_reduce"): 2,
-        ("bwd", "all_reduce"): 2,
-        ("fwd", "all_gather_into_tensor"): 2,
-        ("bwd", "all_gather_into_tensor"): 2,
-    }
-    olmo2 = {
-        ("fwd", "all_reduce"): 2,
-        ("bwd", "all_reduce"): 2,
-        ("fwd", "all_gather_into_tensor"): 3,
-        ("bwd", "all_gather_into_tensor"): 1,
-    }
-    for llama, phi3, olmo in world(2).run(_count_families):
-        assert (llama, phi3, olmo) == (minimum, gathered, olmo2)
+    gathered_qkv = {**minimum, ("fwd", "all_gather_into_tensor"): 1, ("bwd", "all_gather_into_tensor"): 1}
+    olmo2 = {**minimum, ("fwd", "all_gather_into_tensor"): 3, ("bwd", "all_gather_into_tensor"): 1}
+    # MLA: + 4 once per step (one microbatch here), after the last backward: the Partial gradients of the latent
+    # modules whole on every rank (q_a_proj, q_a_layernorm, kv_a_proj_with_mqa, kv_a_layernorm)
+    mla = {("fwd", "all_reduce"): 2 + 4, ("bwd", "all_reduce"): 2}
+    for llama, phi3_mha, phi3_gqa, olmo, minicpm3 in world(2).run(_count_families):
+        assert (llama, phi3_mha, phi3_gqa, olmo, minicpm3) == (minimum, minimum, gathered_qkv, olmo2, mla)
 
 
 # --- refusals, one line each, before any collective -----------------------------------------------

@@ -27,9 +27,18 @@ if TYPE_CHECKING:  # annotations only: the stage is built elsewhere
 
 DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 # TP styles by what they do to the activation they hand on: open a sharded region, close it, or neither.
-OPENS = frozenset({"colwise"})
+OPENS = frozenset({"colwise", "colwise_packed2", "colwise_packed3", "colwise_in_region"})
 CLOSES = frozenset({"rowwise", "rowwise_split_input"})
-NEUTRAL = frozenset({"colwise_gather_output", "replicate", "replicate_input", "replicated_with_grad_allreduce"})
+NEUTRAL = frozenset(
+    {
+        "colwise_gather_output",
+        "replicate",
+        "replicate_input",
+        "replicate_input_local_heads",
+        "replicated_with_grad_allreduce",
+        "replicated_partial_grad",
+    }
+)
 DEVICES = ("cpu", "cuda")  # the device types whose default generators pp_tp swaps
 
 

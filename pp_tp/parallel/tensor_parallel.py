@@ -34,6 +34,7 @@ from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
 from pp_tp.layout import ModelLayout
 from pp_tp.parallel.declared_tp import ConvChannelParallel, declared_plan
+from pp_tp.parallel.local_styles import PackedColwise, ReplicatedPartialGrad, localize_heads
 from pp_tp.parallel.rng import active_dropout, install_sharded_regions
 
 if TYPE_CHECKING:  # annotations only: parallel/ is applied to stage modules, it does not build them
@@ -48,10 +49,17 @@ class ReplicateInput(ParallelStyle):
     hidden state must therefore be a TP-styled layer. The hidden state is the first positional argument,
     or, when the caller passes everything by keyword, the keyword named like the forward's first parameter.
     Not PrepareModuleInput: that needs the module's exact positional arity, which differs between models.
+    `local_heads`: the module slices a per-part-split q/k/v projection by its head counts (local_styles.py).
     """
+
+    def __init__(self, local_heads: bool = False):
+        super().__init__()
+        self.local_heads = local_heads
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         first = next(iter(inspect.signature(module.forward).parameters), None)
+        if self.local_heads:
+            localize_heads(module, device_mesh.size())
 
         def replicate(x: torch.Tensor) -> DTensor:
             return DTensor.from_local(x, device_mesh, (Replicate(),), run_check=False)
@@ -83,6 +91,15 @@ STYLES: dict[str, Callable[[], ParallelStyle | None]] = {
     "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate(), use_local_output=True),
     # nn.Embedding sharded on the vocabulary; each rank looks up its rows, the sum is all-reduced.
     "vocab_parallel": lambda: RowwiseParallel(input_layouts=Replicate(), use_local_output=True),
+    # Per part: a Linear packing 2 (gate, up) or 3 equal parts (q, k, v) on its output, each split over TP, so the
+    # local output is every part's shard in order (local_styles.py); no gather.
+    "colwise_packed2": lambda: PackedColwise(2),
+    "colwise_packed3": lambda: PackedColwise(3),
+    # Column-parallel on a replicated module's output inside the sub-block (MLA's kv_b_proj): input gradient partial.
+    "colwise_in_region": lambda: PackedColwise(1),
+    # Whole on every TP rank inside a replicate_input sub-block (MLA's latent projections and norms): gradients
+    # Partial, the parameters' summed once per step (reduce_partial_grads), the input's by the sub-block's all-reduce.
+    "replicated_partial_grad": ReplicatedPartialGrad,
     # Replicated weights on a head-sharded input (q/k norms): the weights become Replicate DTensors, so
     # their gradients come out Partial and are summed over TP once per step (reduce_partial_grads).
     # The norm acts on the last dim only, so naming dim 2 (heads of [b, s, h, d]) as sharded is bookkeeping.
@@ -91,6 +108,8 @@ STYLES: dict[str, Callable[[], ParallelStyle | None]] = {
     "replicate": lambda: None,
     # On an attention / MLP module: one all-reduce of its input gradient per microbatch (ReplicateInput).
     "replicate_input": ReplicateInput,
+    # The same on an attention module reading head counts to slice a per-part-split q/k/v projection.
+    "replicate_input_local_heads": lambda: ReplicateInput(local_heads=True),
     # A plain 1x1 nn.Conv2d split on output / input channels (declared with _tp_col / _tp_row; declared_tp.py).
     "conv_colwise": lambda: ConvChannelParallel(column=True),
     "conv_rowwise": lambda: ConvChannelParallel(column=False),
@@ -99,13 +118,20 @@ STYLES: dict[str, Callable[[], ParallelStyle | None]] = {
 # Column-parallel styles whose output is gathered back to full width (replicated).
 _GATHERED = {"colwise_gather_output"}
 # Styles that only prepare a module's inputs: its Linear layers still need rules of their own.
-_INPUT_STYLES = {"replicate_input"}
+_INPUT_STYLES = {"replicate_input", "replicate_input_local_heads"}
+# Styles valid only inside a replicate_input sub-block: they leave their input gradient partial for its all-reduce.
+_IN_REGION = {"colwise_in_region", "replicated_partial_grad"}
+# Equal parts a per-part style splits its weight dim into (each part must divide by parallel.tp).
+_PARTS = {"colwise_packed2": 2, "colwise_packed3": 3}
 
 # The nn.Linear / nn.Conv2d weight dim each style splits, for the divisibility check (blocks hold Linear layers;
 # the embedding's vocabulary is checked with the model shape).
 _LINEAR_SHARDED_DIM = {
     "colwise": 0,
     "colwise_gather_output": 0,
+    "colwise_packed2": 0,
+    "colwise_packed3": 0,
+    "colwise_in_region": 0,
     "rowwise": 1,
     "rowwise_split_input": 1,
     "conv_colwise": 0,
@@ -273,10 +299,19 @@ def check_tp_plan(model: nn.Module, layout: ModelLayout, pcfg: ParallelConfig) -
         for fqn, style in report.resolved.items():
             module, dim = block.get_submodule(fqn), _LINEAR_SHARDED_DIM.get(style)
             size = module.weight.shape[dim] if isinstance(module, (nn.Linear, nn.Conv2d)) and dim is not None else 0
-            if size % pcfg.tp:
+            parts = _PARTS.get(style, 1)
+            if size % (pcfg.tp * parts):
+                each = f" in each of its {parts} parts" if parts > 1 else ""
                 raise ConfigError(
                     f"{layout.blocks}.{key}.{fqn}.weight dim {dim} = {size} is not divisible by "
-                    f"parallel.tp = {pcfg.tp} ({style!r}); set parallel.tp to a divisor of {size}"
+                    f"parallel.tp = {pcfg.tp}{each} ({style!r}); set parallel.tp to a divisor of {size // parts}"
+                )
+            regions = [c for c, s in report.resolved.items() if s in _INPUT_STYLES and fqn.startswith(c + ".")]
+            if style in _IN_REGION and not regions:
+                raise ConfigError(
+                    f"tensor-parallel plan of block {layout.blocks}.{key}: {fqn!r} has style {style!r}, which leaves "
+                    "its input gradient for a sub-block's input all-reduce, but no replicate_input module holds it; "
+                    "add a replicate_input rule for its sub-block"
                 )
     if unsharded:
         warnings.warn(

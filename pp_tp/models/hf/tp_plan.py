@@ -2,14 +2,18 @@
 
 HF's `colwise` / `rowwise` map to the same styles with local outputs; `replicate_input` goes on every
 module holding column-parallel layers, so backward all-reduces once per sub-block (Megatron minimum:
-2 all-reduces forward and 2 backward per block). Where HF gathers (`colwise_gather_output` followed by
-`rowwise_split_input`: fused projections, full-width q/k norms) the same gather is kept, which is exact.
+2 all-reduces forward and 2 backward per block). Fused projections HF gathers (`colwise_gather_output` followed by
+`rowwise_split_input` on `gate_up_proj` / `qkv_proj`) are split per part instead; elsewhere (GQA's unequal q/k/v
+parts, full-width q/k norms) HF's gather is kept, which is exact. MLA (`mla_kv_a_proj`) is split by heads around its
+latents, which stay whole on every rank.
 Styles pp_tp cannot honour give the layout a `tp_refusal`, raised in one line when parallel.tp > 1.
 MoE experts modules come from `base_model_ep_plan` (`ep_dispatch_experts`); their declared TP (`moe_tp_experts`
 with `packed_colwise` gate/up and `rowwise` down) is pp_tp's experts pass (pp_tp.parallel.experts), not a style.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from torch import nn
 
@@ -21,8 +25,14 @@ SUPPORTED = {
     "rowwise_split_input": "rowwise_split_input",
     "replicated_with_grad_allreduce": "replicated_with_grad_allreduce",
     "replicate": "replicate",
+    "mla_kv_a_proj": "replicated_partial_grad",
 }
-_COLUMN = ("colwise", "colwise_gather_output")
+_COLUMN = ("colwise", "colwise_gather_output", "colwise_packed2", "colwise_packed3", "colwise_in_region")
+# MLA: modules whole on every rank beside kv_a_proj_with_mqa, and the up-projections reading their outputs.
+_MLA_WHOLE = ("kv_a_layernorm", "q_a_proj", "q_a_layernorm")
+_MLA_UP = ("kv_b_proj", "q_b_proj")
+# Fused projections HF gathers, by name: the pp_tp style splitting them per part.
+_FUSED = {"gate_up_proj": "colwise_packed2", "qkv_proj": "colwise_packed3"}
 # HF styles that shard or dispatch MoE experts (the refusal says so; any other unsupported style is named as is).
 _EXPERT_STYLES = {"grouped_gemm", "ep_dispatch_experts", "moe_tp_experts", "packed_colwise", "packed_rowwise"}
 # The expert TP pp_tp's experts pass runs: gate/up packed on the output dim, split per part; down row-parallel.
@@ -69,5 +79,43 @@ def block_tp_plan(model: nn.Module, blocks_key: str) -> tuple[dict[str, str], st
                 f"pp_tp does not support{why}; set parallel.tp = 1"
             )
         plan[rule[len(prefix) :]] = SUPPORTED[style]
+    plan, local_heads = _split_fused(_mla(plan), model.config)
     parents = {rule.rpartition(".")[0] for rule, style in plan.items() if style in _COLUMN and "." in rule}
-    return {**{p: "replicate_input" for p in sorted(parents)}, **plan}, None
+    inputs = {p: "replicate_input_local_heads" if p in local_heads else "replicate_input" for p in sorted(parents)}
+    return {**inputs, **plan}, None
+
+
+def _mla(plan: dict[str, str]) -> dict[str, str]:
+    """Multi-head latent attention (HF's `mla_kv_a_proj`): the latent projections and their norms stay whole on every
+    rank with Partial gradients, the up-projections reading the latents are column-parallel by heads with their input
+    gradient left partial, o_proj row-parallel: the attention's one input all-reduce sums everything (2 + 2
+    all-reduces per block, like any attention)."""
+    plan = dict(plan)
+    for rule, style in list(plan.items()):
+        if style == "replicated_partial_grad":
+            parent = rule.rpartition(".")[0]
+            plan.update({f"{parent}.{name}": "replicated_partial_grad" for name in _MLA_WHOLE})
+            plan.update({f"{parent}.{name}": "colwise_in_region" for name in _MLA_UP if f"{parent}.{name}" in plan})
+    return plan
+
+
+def _split_fused(plan: dict[str, str], config: Any) -> tuple[dict[str, str], set[str]]:
+    """HF gathers a fused projection (`colwise_gather_output`) and splits it again before the row-parallel layer
+    (`rowwise_split_input`); pp_tp splits it per part instead (whole heads of q, k and v; matching gate and up rows),
+    so the row-parallel layer takes the local shard and nothing is gathered. Returns the plan and the sub-blocks
+    whose attention must read this rank's head counts. GQA's q/k/v parts differ in size, which torch's per-part
+    placement (`_StridedShard`) cannot split: there HF's gathered plan stays (exact)."""
+    plan, local_heads = dict(plan), set()
+    heads = getattr(config, "num_attention_heads", None)
+    equal_heads = (getattr(config, "num_key_value_heads", None) or heads) == heads
+    for rule in list(plan):
+        parent, _, leaf = rule.rpartition(".")
+        siblings = {r: s for r, s in plan.items() if r.rpartition(".")[0] == parent}
+        rows = [r for r, s in siblings.items() if s == "rowwise_split_input"]
+        gathered = [r for r, s in siblings.items() if s == "colwise_gather_output"]
+        if leaf not in _FUSED or gathered != [rule] or len(rows) != 1 or (leaf == "qkv_proj" and not equal_heads):
+            continue
+        plan[rule], plan[rows[0]] = _FUSED[leaf], "rowwise"
+        if leaf == "qkv_proj":
+            local_heads.add(parent)
+    return plan, local_heads

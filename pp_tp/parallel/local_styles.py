@@ -1,0 +1,98 @@
+"""TP styles that compute on local shards inside a sub-block whose input is a Replicate DTensor ("replicate_input").
+
+Inside such a sub-block every input gradient may stay a per-rank partial sum: the sub-block's one input all-reduce
+sums them all (backward is linear in the incoming gradient). So these styles hand a Partial gradient back to a
+DTensor input instead of reducing it, and run the module's own forward on plain local tensors:
+
+- `PackedColwise`: a Linear packing several parts on its output features (gate and up; q, k and v), split per part
+  with `_StridedShard(0, split_factor=parts)`, so each rank keeps the same slice of every part and its local output
+  is [part 0 shard | part 1 shard | ...], what the module's own chunking expects (no gather). Parts must be equal:
+  torch's placements have no uneven per-part split.
+- `ReplicatedPartialGrad`: a module left whole on every rank in front of column-parallel layers (MLA's latent
+  projections and norms). Its parameters are Replicate DTensors whose gradients come out Partial (each rank back-
+  propagates only its heads' share), summed once per step by `reduce_partial_grads`. Home-made: torch's styles
+  either shard a module or all-reduce its input gradient per use.
+- `localize_heads`: an attention module slicing a per-part-split q/k/v projection by head counts it reads from its
+  own attributes and its config gets this rank's counts (a config copy; the model's config is untouched).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from pp_tp._torch import StridedShard, swap_parameters
+
+_PARTIAL = (Partial(),)
+# Head counts an attention module may slice its q/k/v projection by (transformers' names), on itself or its config.
+HEAD_COUNTS = ("num_attention_heads", "num_key_value_heads", "num_heads")
+
+
+def localize_heads(module: nn.Module, tp: int) -> None:
+    """Divides the head counts `module` and its `config` hold by `tp` (the config as a copy of its own)."""
+    config = getattr(module, "config", None)
+    if config is not None:
+        local = copy.copy(config)
+        for name in HEAD_COUNTS:
+            if isinstance(getattr(config, name, None), int):
+                setattr(local, name, getattr(config, name) // tp)
+        module.config = local
+    for name in HEAD_COUNTS:
+        if isinstance(vars(module).get(name), int):
+            setattr(module, name, vars(module)[name] // tp)
+
+
+class _LocalCompute(ParallelStyle):
+    """Parameters become DTensors with `placements`; the forward reads them and a DTensor input as local tensors."""
+
+    placements: tuple[Placement, ...]
+    param_grad: tuple[Placement, ...] | None  # None: the gradient has the parameter's own placements
+    reduce_plain_input: bool  # a plain input's gradient is all-reduced (no replicate_input around the module)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, p in list(module.named_parameters(recurse=False)):
+            shard = distribute_tensor(p, device_mesh, list(self.placements), src_data_rank=self.src_data_rank)
+            module.register_parameter(name, nn.Parameter(shard, requires_grad=p.requires_grad))
+        forward = module.forward
+
+        def local_forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if not isinstance(x, DTensor) and self.reduce_plain_input:
+                x = DTensor.from_local(x, device_mesh, (Replicate(),), run_check=False)
+            if isinstance(x, DTensor):
+                x = x.to_local(grad_placements=_PARTIAL)
+            local = {n: p.to_local(grad_placements=self.param_grad) for n, p in module.named_parameters(recurse=False)}
+            saved = swap_parameters(module, local)
+            try:
+                return forward(x, *args, **kwargs)
+            finally:
+                swap_parameters(module, saved)
+
+        module.forward = local_forward
+        return module
+
+
+class PackedColwise(_LocalCompute):
+    """Column-parallel Linear split per part (`parts` equal blocks of output features; 1: a plain colwise layer that
+    reads a replicated module's output inside the sub-block, its input gradient left partial)."""
+
+    def __init__(self, parts: int):
+        super().__init__()
+        self.placements = (StridedShard(0, split_factor=parts) if parts > 1 else Shard(0),)
+        self.param_grad = None
+        self.reduce_plain_input = parts > 1
+
+
+class ReplicatedPartialGrad(_LocalCompute):
+    """A module whole on every TP rank inside a replicate_input sub-block, its gradients left Partial."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.placements = (Replicate(),)
+        self.param_grad = _PARTIAL
+        self.reduce_plain_input = False
