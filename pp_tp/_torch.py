@@ -199,6 +199,45 @@ def local_shape_and_offset(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int,
     return tuple(shape), tuple(offset)
 
 
+def local_index_runs(t: torch.Tensor) -> list[list[tuple[int, int]]] | None:
+    """For a DTensor with a `_StridedShard` placement (a packed weight split per part: its block is not one box of
+    the global tensor, which `local_shape_and_offset` would wrongly give), the global (start, length) index runs its
+    local shard holds along each dim, in local order; None for any other tensor. Each dim's runs come from sharding
+    an arange of that dim with the same placements, locally (src_data_rank=None: no communication)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    if not isinstance(t, DTensor) or not any(isinstance(p, StridedShard) for p in t.placements):
+        return None
+    runs = []
+    for d, n in enumerate(t.shape):
+        along = [
+            (StridedShard(0, split_factor=p.split_factor) if isinstance(p, StridedShard) else Shard(0))
+            if isinstance(p, (Shard, StridedShard)) and p.dim == d
+            else Replicate()
+            for p in t.placements
+        ]
+        index = distribute_tensor(torch.arange(n), t.device_mesh, along, src_data_rank=None).to_local().tolist()
+        dim_runs: list[tuple[int, int]] = []
+        for i in index:
+            if dim_runs and dim_runs[-1][0] + dim_runs[-1][1] == i:
+                dim_runs[-1] = (dim_runs[-1][0], dim_runs[-1][1] + 1)
+            else:
+                dim_runs.append((i, 1))
+        runs.append(dim_runs)
+    return runs
+
+
+def per_part_replicated(t: Any) -> Any:
+    """`t` with every per-part split (`_StridedShard`) replaced by Replicate over its mesh dim (an all-gather there),
+    other placements kept; anything else returned as it is. DCP stores a rank's shard as one box of the global
+    tensor, which a per-part split is not (dcp.save refuses it: "overlapping chunks")."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(t, DTensor) or not any(isinstance(p, StridedShard) for p in t.placements):
+        return t
+    return t.redistribute(t.device_mesh, [Replicate() if isinstance(p, StridedShard) else p for p in t.placements])
+
+
 def storage_id(storage: torch.UntypedStorage) -> int:
     """One number per storage, the same through every tensor and view of it, so saved activations count once per
     storage. Public replacement: none (`data_ptr()` is 0 for every meta and fake storage, which the planner walks)."""

@@ -68,3 +68,18 @@ def test_keep_drops_the_oldest(tmp_path, world):
         train_case, job(training={"steps": 3}, checkpoint={"enable": True, "folder": folder, "interval": 1, "keep": 2})
     )
     assert sorted(os.listdir(folder)) == ["step-2", "step-3"]
+
+
+def test_per_part_split_weights_checkpoint_and_load_at_another_layout(tmp_path, world):
+    """TP of experts splits the packed gate/up per part (`_StridedShard`: not one box of the global tensor, which
+    DCP's chunks are): saved at pp2 x tp2, loaded at pp2 x ep2, the run continues with the uninterrupted losses."""
+    moe = {"n_experts": 4, "top_k": 2, "moe_ffn_dim": 32}
+    folder = str(tmp_path / "run")
+    d = job(model=moe, checkpoint={"enable": True, "folder": folder, "interval": 3, "keep": 2})
+    full = world(4).run(train_case, d)[0]
+    shutil.rmtree(os.path.join(folder, "step-6"))
+    ep = {"pp": 2, "tp": 1, "dp_shard": 2, "ep": 2, "microbatches": 4}
+    resumed = world(4).run(train_case, job(model=moe, parallel=ep, checkpoint=d["checkpoint"]))[0]
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    for got, want in zip(resumed, full[3:]):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)

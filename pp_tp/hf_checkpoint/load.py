@@ -8,11 +8,12 @@ check before any collective and the bf16 -> fp32 cast explicit (`HFSource.read`)
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 import torch
 
-from pp_tp._torch import local_shape_and_offset, local_tensor
+from pp_tp._torch import local_index_runs, local_shape_and_offset, local_tensor
 from pp_tp.hf_checkpoint.source import HFSource
 from pp_tp.stages.stage_module import StageModule
 from pp_tp.tensor_utils import persistent_buffers
@@ -36,6 +37,22 @@ def load_stage(stage: StageModule, source: HFSource, casts: Counter | None = Non
         entry = source.entries[key]
         if casts is not None and entry.dtype != local.dtype:
             casts[f"{entry.dtype} -> {local.dtype}".replace("torch.", "")] += 1
-        local.copy_(source.read(key, offset, shape, local.dtype))
+        local.copy_(_read_block(source, key, p, offset, shape, local.dtype))
     for key, b in persistent_buffers(stage).items():
         b.copy_(source.read(key, (0,) * b.dim(), tuple(b.shape), b.dtype))
+
+
+def _read_block(
+    source: HFSource, key: str, p: torch.Tensor, offset: tuple[int, ...], shape: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
+    """This rank's block of `key`: one box at `offset`, or for a parameter split per part (`_StridedShard`) the
+    boxes of its index runs, assembled in local order."""
+    runs = local_index_runs(p)
+    if runs is None:
+        return source.read(key, offset, shape, dtype)
+    out = torch.empty(shape, dtype=dtype)
+    starts = [list(itertools.accumulate((n for _, n in dim_runs), initial=0)) for dim_runs in runs]
+    for box in itertools.product(*(list(enumerate(dim_runs)) for dim_runs in runs)):
+        where = tuple(slice(starts[d][i], starts[d][i] + n) for d, (i, (_, n)) in enumerate(box))
+        out[where] = source.read(key, tuple(s for _, (s, _) in box), tuple(n for _, (_, n) in box), dtype)
+    return out

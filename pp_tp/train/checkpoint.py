@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from pp_tp._torch import per_part_replicated
 from pp_tp.config import CheckpointConfig
 from pp_tp.parallel.rng import StageStream
 from pp_tp.train.prefetch import Prefetcher
@@ -83,6 +84,13 @@ def latest_checkpoint(folder: str) -> str | None:
 _PER_GROUP = ("base_lrs", "_last_lr")  # the LR scheduler's per-param-group lists
 
 
+def _stored(state: dict) -> dict:
+    """The state as DCP stores it: model and optimizer tensors split per part (`_StridedShard`, a fused weight's or
+    packed experts' matching rows) replicated over that mesh dim, since DCP's chunks are boxes; layout-free."""
+    with torch.no_grad():
+        return {**state, **{k: {n: per_part_replicated(t) for n, t in state[k].items()} for k in ("model", "optim")}}
+
+
 def _one_group(state: dict) -> dict:
     """The schedulers step together and every param group shares one LR, so one group's state stands for all: a
     part's group count follows its layout (DTensor and plain parameters, trainer.build_optimizers), the checkpoint's
@@ -128,7 +136,14 @@ class Checkpointer:
     def load(self, path: str) -> int:
         """Restores everything from `path` into the live objects; returns the step it was saved at."""
         state = self._state(0)
-        dcp.load(state, checkpoint_id=path)
+        stored = _stored(state)
+        split = [(s, k) for s in ("model", "optim") for k, t in stored[s].items() if t is not state[s][k]]
+        dcp.load(stored, checkpoint_id=path)
+        with torch.no_grad():  # per-part splits back to their placements (local slicing)
+            for section, key in split:
+                t = stored[section][key]
+                stored[section][key] = t.redistribute(t.device_mesh, state[section][key].placements)
+        state = stored  # DCP replaced the non-tensor entries (step, data, rng) in the dict it loaded
         for part, opt in zip(self.parts, self.optimizers):
             # The dict holds every local part's keys; DCP already refused any key missing from the checkpoint.
             set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
@@ -147,7 +162,7 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a crashed save of the same step
             os.makedirs(tmp)
         dist.barrier()
-        dcp.save(self._state(step), checkpoint_id=tmp)  # returns on every rank once the metadata is written
+        dcp.save(_stored(self._state(step)), checkpoint_id=tmp)  # returns on every rank once the metadata is written
         if dist.get_rank() == 0:
             shutil.rmtree(final, ignore_errors=True)
             os.rename(tmp, final)
