@@ -32,7 +32,7 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> JobConfig:
         data=check_data(checked("data", cfg.data)),
         checkpoint=checked("checkpoint", cfg.checkpoint),
         validation=check_validation(checked("validation", cfg.validation), cfg.data),
-        moe=check_balancing_keys(cfg.moe, parallel),
+        moe=check_balancing_keys(cfg.moe),
     )
     check_non_lm_job(job)  # across sections, on type-checked values
     return job

@@ -52,7 +52,7 @@ def _moe_layers(block: nn.Module, layout: ModelLayout) -> dict[str, int]:
 def check_balancing(model: nn.Module, layout: ModelLayout, pcfg: ParallelConfig, moe: MoEConfig) -> MoEConfig:
     """Refuses, in one line and before any collective, balancing the model cannot honour: the auxiliary loss
     without a router whose probabilities pp_tp reads exactly, the bias update without a declared expert bias."""
-    moe = check_balancing_keys(moe, pcfg)
+    moe = check_balancing_keys(moe)
     if not (moe.aux_loss_coef or moe.bias_update_rate):
         return moe
     family = type(model).__name__

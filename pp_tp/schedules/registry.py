@@ -144,14 +144,6 @@ def get_schedule_spec(name: str) -> ScheduleSpec:
     return _REGISTRY[name]
 
 
-def splits_weight_grad(schedule: str) -> bool:
-    """Whether the schedule runs weight gradients apart from input gradients (a CSV: it has W actions)."""
-    if is_csv_schedule(schedule):
-        acts = read_csv_schedule(schedule).values()
-        return any(a is not None and a.computation_type.name == "BACKWARD_WEIGHT" for row in acts for a in row)
-    return get_schedule_spec(schedule).splits_weight_grad
-
-
 def default_stages_per_rank(schedule: str, pp: int) -> int:
     """stages_per_rank when the config leaves it out: a CSV's own count, a schedule's fixed count (2 for V
     schedules), else 2 for other multi-stage schedules and 1 for single-stage ones (as torchtitan infers it)."""
