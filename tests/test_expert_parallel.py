@@ -4,8 +4,8 @@ Each case runs the family's own forward + backward and two AdamW steps against t
 weights and a batch with uneven padding across dp ranks, in lockstep (pp_tp/parity.py): loss, every full gradient
 (experts gathered from their expert-dim shards), every parameter and persistent buffer after each step,
 relative error <= 1e-5. Layouts: pp2 x ep2 over 1F1B, Interleaved1F1B and ZBVZeroBubble (split backward) and
-pp2 x tp2 (TP experts) over Interleaved1F1B and ZBVZeroBubble on 4 ranks; pp2 x ep2 x tp2, HSDP with EP and
-experts FSDP-sharded over the ranks EP leaves on 8 ranks.
+pp2 x tp2 (TP experts) over Interleaved1F1B and ZBVZeroBubble on 4 ranks; pp2 x ep2 x tp2 (Mixtral; GPT-OSS
+on the plan pp_tp supplies), HSDP with EP and experts FSDP-sharded over the ranks EP leaves on 8 ranks.
 """
 
 from __future__ import annotations
@@ -29,14 +29,16 @@ CASES4 = [
     ("mixtral_moe", dict(pp=2, schedule="ZBVZeroBubble", microbatches=4, **EP)),  # EP under a split backward
     ("deepseek_v3", dict(pp=2, schedule="Interleaved1F1B", microbatches=2, **EP)),  # MLA, group routing, bias
     ("qwen2_moe", dict(pp=2, schedule="ZBVZeroBubble", microbatches=4, **TP)),  # a V schedule, gated shared expert
-    ("gpt_oss", dict(pp=2, schedule="1F1B", microbatches=2, **EP)),  # sinks, sliding layers, biased experts
     # MLA split by heads around its whole latents, a dense first layer, shared experts (GLM-4.5 in the sweep)
     ("deepseek_v2", dict(pp=2, schedule="Interleaved1F1B", microbatches=2, **TP)),
+    ("deepseek_v3", dict(pp=2, schedule="1F1B", microbatches=2, **TP)),  # the same MLA plan, supplied by pp_tp
 ]
 CASES8 = [
     ("mixtral_moe", dict(pp=2, schedule="1F1B", microbatches=2, **EP, **TP)),  # pp2 x ep2 x tp2
     ("deepseek_v3", dict(pp=2, dp_replicate=2, schedule="Interleaved1F1B", microbatches=2, **EP)),  # HSDP + EP
     ("qwen3_moe", dict(pp=2, dp_shard=4, ep=2, schedule="1F1B", microbatches=2)),  # experts FSDP over 2
+    # pp_tp's own plan (its config declares none): sinks by head, sliding layers, biased interleaved experts
+    ("gpt_oss", dict(pp=2, schedule="1F1B", microbatches=2, **EP, **TP)),
 ]
 
 
@@ -110,9 +112,9 @@ def _preflight(model: torch.nn.Module, **kw) -> None:
         ("qwen3_moe", dict(dp_shard=8, ep=8), r"mlp.experts holds 4 experts, not divisible by parallel.ep = 8"),
         ("llama", dict(dp_shard=2, ep=2), r"parallel.ep = 2 but model LlamaForCausalLM has no experts modules"),
         (
-            "gpt_oss",
-            dict(pp=2, microbatches=2, **TP),
-            r"GptOssForCausalLM: .*(declares no base_model_tp_plan|declare no tensor)",
+            "qwen3_moe_odd_width",
+            dict(pp=2, microbatches=2, tp=2),
+            r"mlp.experts.down_proj: expert hidden size 17 is not divisible by parallel.tp = 2",
         ),
     ],
 )

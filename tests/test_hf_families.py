@@ -70,6 +70,11 @@ FAMILIES = {
     "cohere2_sliding": (T.Cohere2Config, _sliding(), "sdpa"),
     "qwen2_window_layers": (T.Qwen2Config, _sliding(use_sliding_window=True, max_window_layers=2), "sdpa"),
     "qwen3_moe": (T.Qwen3MoeConfig, dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16), "sdpa"),
+    "qwen3_moe_odd_width": (
+        T.Qwen3MoeConfig,
+        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=17),
+        "sdpa",
+    ),
     # families with persistent buffers (router biases, activation constants) or MLA, from their own default
     # config shrunk by the self-check's rule (tests/test_buffers.py)
     "glm4_moe": ("glm4_moe", {}, "sdpa"),
@@ -228,13 +233,14 @@ def _per_block_collectives(name: str) -> dict[tuple[str, str], float]:
 
 
 def _count_families() -> list[dict]:
-    names = ("llama", "phi3_mha", "phi3_fused", "olmo2_fullwidth_norm", "minicpm3")
+    names = ("llama", "phi3_mha", "phi3_fused", "olmo2_fullwidth_norm", "minicpm3", "gpt_oss")
     return [_per_block_collectives(name) for name in names]
 
 
 def test_tp_collectives_per_block_at_tp2(world):
     """Megatron's minimum for a plain family, fused projections split per part (Phi3 with full MHA) and MLA split by
-    heads around its whole latents (MiniCPM3); under GQA
+    heads around its whole latents (MiniCPM3), GPT-OSS on pp_tp's supplied plan (sinks by head, TP experts: every
+    block is MoE); under GQA
     Phi3's qkv_proj and full-width q/k norms keep HF's own exact plan, which gathers the fused (or normed)
     projection output and splits it again before the row-parallel layer."""
     minimum = {("fwd", "all_reduce"): 2, ("bwd", "all_reduce"): 2}
@@ -243,8 +249,9 @@ def test_tp_collectives_per_block_at_tp2(world):
     # MLA: + 4 once per step (one microbatch here), after the last backward: the Partial gradients of the latent
     # modules whole on every rank (q_a_proj, q_a_layernorm, kv_a_proj_with_mqa, kv_a_layernorm)
     mla = {("fwd", "all_reduce"): 2 + 4, ("bwd", "all_reduce"): 2}
-    for llama, phi3_mha, phi3_gqa, olmo, minicpm3 in world(2).run(_count_families):
+    for llama, phi3_mha, phi3_gqa, olmo, minicpm3, gpt_oss in world(2).run(_count_families):
         assert (llama, phi3_mha, phi3_gqa, olmo, minicpm3) == (minimum, minimum, gathered_qkv, olmo2, mla)
+        assert gpt_oss == minimum
 
 
 # --- refusals, one line each, before any collective -----------------------------------------------

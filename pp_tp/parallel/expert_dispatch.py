@@ -34,6 +34,9 @@ class ExpertDispatch:
     n_experts: int
     ep: DeviceMesh | None
     tp: DeviceMesh | None
+    # Parameters whole on every TP rank whose term the family's forward adds to each expert output (the down bias):
+    # TP rank 0 adds it, the others read zeros, so the all-reduce counts it once.
+    once_over_tp: tuple[str, ...] = ()
 
     @property
     def local_experts(self) -> int:
@@ -60,7 +63,8 @@ class ExpertDispatch:
         else:
             slots, ids, send, recv = self._send(slots, torch.bincount(flat, minlength=self.n_experts))
         ones = torch.ones(ids.shape[0], 1, dtype=top_k_weights.dtype, device=ids.device)
-        with local_parameters(module, 1.0 / self.ep.size() if self.ep is not None else 1.0) as local:
+        once = self.once_over_tp if self.tp is not None and self.tp.get_local_rank() else ()
+        with local_parameters(module, 1.0 / self.ep.size() if self.ep is not None else 1.0, once) as local:
             out = forward(module, slots, ids.unsqueeze(1), ones)
         if self.ep is not None:
             out = _zero_gradient_for_unreached(out, slots, local)
@@ -99,9 +103,12 @@ class ExpertDispatch:
 
 
 @contextmanager
-def local_parameters(module: nn.Module, grad_scale: float) -> Iterator[list[torch.Tensor]]:
+def local_parameters(
+    module: nn.Module, grad_scale: float, zeroed: tuple[str, ...] = ()
+) -> Iterator[list[torch.Tensor]]:
     """The module's DTensor parameters read as their local shards while inside (the family's forward indexes
-    experts by local id), yielded too; their gradients reach the DTensor parameters times `grad_scale`.
+    experts by local id), yielded too; their gradients reach the DTensor parameters times `grad_scale`. Those named
+    in `zeroed` read as zeros with their gradient passed through whole (`_ZeroForward`).
 
     The scale is 1 / ep: FSDP averages expert gradients over the dp / ep ranks holding the same experts while the
     loss is scaled for a mean over all dp ranks (runtime.loss). Not FSDP's set_gradient_divide_factor: on a
@@ -111,11 +118,26 @@ def local_parameters(module: nn.Module, grad_scale: float) -> Iterator[list[torc
         for t in local.values():
             if t.requires_grad:
                 t.register_hook(lambda g: g * grad_scale)
-    saved = swap_parameters(module, local)
+    read = {n: _ZeroForward.apply(t) if n in zeroed else t for n, t in local.items()}
+    saved = swap_parameters(module, read)
     try:
-        yield list(local.values())
+        yield list(read.values())
     finally:
         swap_parameters(module, saved)
+
+
+class _ZeroForward(torch.autograd.Function):
+    """Zeros forward, the gradient passed through: a TP rank other than 0 reads the down bias as zeros, so the
+    all-reduced outputs hold it once, while every TP rank's bias gradient is the whole one (the same all-reduced
+    output gradient reaches each), as its Replicate placement requires."""
+
+    @staticmethod
+    def forward(ctx: object, t: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(t)
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        return grad
 
 
 def _zero_gradient_for_unreached(out: torch.Tensor, slots: torch.Tensor, local: list[torch.Tensor]) -> torch.Tensor:

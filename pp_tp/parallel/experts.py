@@ -2,7 +2,9 @@
 
 The experts modules a layout names (`ModelLayout.experts`) keep their parameter names; their 3-D parameters
 become DTensors: Shard(0), the expert dim, over "ep" (each EP rank a contiguous block of experts), and under TP
-the packed gate/up split per part (every rank keeps matching gate and up rows) and down split on its input dim.
+the packed gate/up split per part (every rank keeps matching gate and up rows; interleaved gate/up pairs by plain
+contiguous shards) and down split on its input dim; biases (GPT-OSS) follow: gate/up's like its weight, down's whole
+on every TP rank and added by one of them (pp_tp.parallel.expert_dispatch).
 `.full_tensor()` gives every expert, so checkpoints stay layout-free. The module's class gains a forward that
 dispatches tokens (pp_tp.parallel.expert_dispatch) around the family's own forward, run on local experts.
 Two calling conventions: routed, `experts(hidden [T, D], top_k_index [T, k], top_k_weights [T, k])`
@@ -21,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Placement, Shard, distribute_tensor
+from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
 
 from pp_tp._torch import StridedShard
 from pp_tp.config import ParallelConfig
@@ -30,8 +32,10 @@ from pp_tp.layout import ModelLayout
 from pp_tp.parallel.expert_dispatch import ExpertDispatch
 from pp_tp.parallel.tensor_parallel import matches_rule
 
-# TP of experts: the packed gate/up weight and the down weight, by name (transformers' and the reference MoE's).
+# TP of experts: the packed gate/up weight and the down weight, by name (transformers' and the reference MoE's), and
+# their biases (transformers' names).
 _GATE_UP, _DOWN = "gate_up_proj", "down_proj"
+_GATE_UP_BIAS, _DOWN_BIAS = "gate_up_proj_bias", "down_proj_bias"
 
 
 def experts_modules(block: nn.Module, layout: ModelLayout) -> list[tuple[str, nn.Module]]:
@@ -101,15 +105,11 @@ def _check_experts_tp(family: str, fqn: str, module: nn.Module, layout: ModelLay
             f"model {family}: its experts ({fqn}) declare no tensor parallelism; set parallel.tp = 1 "
             "(parallel.ep splits experts across ranks instead)"
         )
-    extra = sorted(set(dict(module.named_parameters(recurse=False))) - {_GATE_UP, _DOWN})
+    biases = {_GATE_UP_BIAS, _DOWN_BIAS} if getattr(module, "has_bias", False) else set()
+    extra = sorted(set(dict(module.named_parameters(recurse=False))) - {_GATE_UP, _DOWN, *biases})
     unusual = [
         attr
-        for attr, plain in (
-            ("is_concatenated", True),
-            ("has_gate", True),
-            ("has_bias", False),
-            ("has_post_expert_norm", False),
-        )
+        for attr, plain in (("has_gate", True), ("has_post_expert_norm", False))
         if getattr(module, attr, plain) != plain
     ]
     if extra or unusual or not hasattr(module, _GATE_UP) or not hasattr(module, _DOWN):
@@ -134,11 +134,22 @@ def _feature_dim(module: nn.Module, name: str) -> int:
     return {(_GATE_UP, False): 1, (_GATE_UP, True): 2, (_DOWN, False): 2, (_DOWN, True): 1}[(name, transposed)]
 
 
+def _tp_placement(module: nn.Module, name: str) -> Placement:
+    """How TP splits one experts parameter: gate/up (and its bias) per part when [gate; up] are concatenated, by
+    contiguous shards when interleaved (each shard keeps whole gate/up pairs); down on its input dim; down's bias
+    whole (one TP rank adds it)."""
+    if name == _DOWN_BIAS:
+        return Replicate()
+    dim = 1 if name == _GATE_UP_BIAS else _feature_dim(module, name)
+    if name in (_GATE_UP, _GATE_UP_BIAS) and getattr(module, "is_concatenated", True):
+        return StridedShard(dim, split_factor=2)
+    return Shard(dim)
+
+
 def _placements(module: nn.Module, name: str, pcfg: ParallelConfig) -> list[Placement]:
     placements: list[Placement] = [Shard(0)] if pcfg.ep > 1 else []
     if pcfg.tp > 1:
-        dim = _feature_dim(module, name)
-        placements.append(StridedShard(dim, split_factor=2) if name == _GATE_UP else Shard(dim))
+        placements.append(_tp_placement(module, name))
     return placements
 
 
@@ -150,7 +161,9 @@ def shard_experts(module: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig) -> 
     for name, p in list(module.named_parameters(recurse=False)):
         shard = distribute_tensor(p.data, sub, _placements(module, name, pcfg), src_data_rank=None)
         module.register_parameter(name, nn.Parameter(shard, requires_grad=p.requires_grad))
-    dispatch = ExpertDispatch(count, mesh["ep"] if pcfg.ep > 1 else None, mesh["tp"] if pcfg.tp > 1 else None)
+    tp = mesh["tp"] if pcfg.tp > 1 else None
+    once = (_DOWN_BIAS,) if tp is not None and _DOWN_BIAS in module._parameters else ()
+    dispatch = ExpertDispatch(count, mesh["ep"] if pcfg.ep > 1 else None, tp, once)
     if "num_experts" in vars(module) and not grouped(module):  # transformers' kernels size their bins by it
         module.num_experts = dispatch.local_experts
     module.expert_dispatch = dispatch

@@ -14,6 +14,9 @@ DTensor input instead of reducing it, and run the module's own forward on plain 
   either shard a module or all-reduce its input gradient per use.
 - `localize_heads`: an attention module slicing a per-part-split q/k/v projection by head counts it reads from its
   own attributes and its config gets this rank's counts (a config copy; the model's config is untouched).
+- `shard_head_params`: an attention module's own per-head parameters (GPT-OSS's sinks) split by heads like its
+  column-parallel q/k/v, read as the local shard inside its forward. Home-made: torch's styles shard submodules'
+  weights, not a module's own parameters.
 """
 
 from __future__ import annotations
@@ -46,6 +49,24 @@ def localize_heads(module: nn.Module, tp: int) -> None:
     for name in HEAD_COUNTS:
         if isinstance(vars(module).get(name), int):
             setattr(module, name, vars(module)[name] // tp)
+
+
+def shard_head_params(module: nn.Module, mesh: DeviceMesh, src_data_rank: int | None = None) -> None:
+    """Splits `module`'s own parameters on dim 0 (heads) over `mesh`; its forward reads their local shards (the
+    gradients come back as Shard(0) DTensors)."""
+    for name, p in list(module.named_parameters(recurse=False)):
+        shard = distribute_tensor(p, mesh, [Shard(0)], src_data_rank=src_data_rank)
+        module.register_parameter(name, nn.Parameter(shard, requires_grad=p.requires_grad))
+    forward = module.forward
+
+    def local_forward(*args: Any, **kwargs: Any) -> Any:
+        saved = swap_parameters(module, {n: p.to_local() for n, p in module.named_parameters(recurse=False)})
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            swap_parameters(module, saved)
+
+    module.forward = local_forward
 
 
 class _LocalCompute(ParallelStyle):

@@ -34,7 +34,7 @@ from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
 from pp_tp.layout import ModelLayout
 from pp_tp.parallel.declared_tp import ConvChannelParallel, declared_plan
-from pp_tp.parallel.local_styles import PackedColwise, ReplicatedPartialGrad, localize_heads
+from pp_tp.parallel.local_styles import PackedColwise, ReplicatedPartialGrad, localize_heads, shard_head_params
 from pp_tp.parallel.rng import active_dropout, install_sharded_regions
 
 if TYPE_CHECKING:  # annotations only: parallel/ is applied to stage modules, it does not build them
@@ -50,16 +50,21 @@ class ReplicateInput(ParallelStyle):
     or, when the caller passes everything by keyword, the keyword named like the forward's first parameter.
     Not PrepareModuleInput: that needs the module's exact positional arity, which differs between models.
     `local_heads`: the module slices a per-part-split q/k/v projection by its head counts (local_styles.py).
+    `head_params`: the module's own parameters hold one entry per head (GPT-OSS's sinks): split by heads and read
+    as this rank's shard inside its forward (local_styles.py).
     """
 
-    def __init__(self, local_heads: bool = False):
+    def __init__(self, local_heads: bool = False, head_params: bool = False):
         super().__init__()
         self.local_heads = local_heads
+        self.head_params = head_params
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         first = next(iter(inspect.signature(module.forward).parameters), None)
         if self.local_heads:
             localize_heads(module, device_mesh.size())
+        if self.head_params:
+            shard_head_params(module, device_mesh, self.src_data_rank)
 
         def replicate(x: torch.Tensor) -> DTensor:
             return DTensor.from_local(x, device_mesh, (Replicate(),), run_check=False)
@@ -110,6 +115,8 @@ STYLES: dict[str, Callable[[], ParallelStyle | None]] = {
     "replicate_input": ReplicateInput,
     # The same on an attention module reading head counts to slice a per-part-split q/k/v projection.
     "replicate_input_local_heads": lambda: ReplicateInput(local_heads=True),
+    # The same on an attention module whose own parameters hold one entry per head (sinks): split by heads.
+    "replicate_input_head_params": lambda: ReplicateInput(head_params=True),
     # A plain 1x1 nn.Conv2d split on output / input channels (declared with _tp_col / _tp_row; declared_tp.py).
     "conv_colwise": lambda: ConvChannelParallel(column=True),
     "conv_rowwise": lambda: ConvChannelParallel(column=False),
@@ -118,7 +125,9 @@ STYLES: dict[str, Callable[[], ParallelStyle | None]] = {
 # Column-parallel styles whose output is gathered back to full width (replicated).
 _GATHERED = {"colwise_gather_output"}
 # Styles that only prepare a module's inputs: its Linear layers still need rules of their own.
-_INPUT_STYLES = {"replicate_input", "replicate_input_local_heads"}
+_INPUT_STYLES = {"replicate_input", "replicate_input_local_heads", "replicate_input_head_params"}
+# Input styles that also split the module's own parameters by heads (dim 0).
+_HEAD_PARAMS = {"replicate_input_head_params"}
 # Styles valid only inside a replicate_input sub-block: they leave their input gradient partial for its all-reduce.
 _IN_REGION = {"colwise_in_region", "replicated_partial_grad"}
 # Equal parts a per-part style splits its weight dim into (each part must divide by parallel.tp).
@@ -206,10 +215,13 @@ def verify(module: nn.Module, plan: Mapping[str, str]) -> PlanReport:
     ]
     under = lambda n, prefixes: any(n == c or n.startswith(c + ".") for c in prefixes)  # noqa: E731
     unsharded = [n for n, m in module.named_modules() if isinstance(m, nn.Linear) and not under(n, covered)]
+    by_head = [c for c, style in resolved.items() if style in _HEAD_PARAMS]
     unplanned = [
         n
         for n, _ in module.named_parameters()
-        if under(n.rpartition(".")[0], regions) and not under(n.rpartition(".")[0], covered)
+        if under(n.rpartition(".")[0], regions)
+        and not under(n.rpartition(".")[0], covered)
+        and n.rpartition(".")[0] not in by_head
     ]
     return PlanReport(resolved, unmatched, unsharded, unplanned)
 
@@ -299,6 +311,8 @@ def check_tp_plan(model: nn.Module, layout: ModelLayout, pcfg: ParallelConfig) -
         for fqn, style in report.resolved.items():
             module, dim = block.get_submodule(fqn), _LINEAR_SHARDED_DIM.get(style)
             size = module.weight.shape[dim] if isinstance(module, (nn.Linear, nn.Conv2d)) and dim is not None else 0
+            if style in _HEAD_PARAMS:
+                _check_head_params(module, f"{layout.blocks}.{key}.{fqn}", pcfg.tp)
             parts = _PARTS.get(style, 1)
             if size % (pcfg.tp * parts):
                 each = f" in each of its {parts} parts" if parts > 1 else ""
@@ -319,6 +333,15 @@ def check_tp_plan(model: nn.Module, layout: ModelLayout, pcfg: ParallelConfig) -
             'unsharded on every TP rank; add them to the plan ("replicate" if intended)',
             stacklevel=2,
         )
+
+
+def _check_head_params(module: nn.Module, fqn: str, tp: int) -> None:
+    for name, p in module.named_parameters(recurse=False):
+        if p.dim() == 0 or p.shape[0] % tp:
+            raise ConfigError(
+                f"{fqn}.{name}: {tuple(p.shape)} cannot be split by heads over parallel.tp = {tp} (dim 0 must be "
+                "divisible by it); set parallel.tp to a divisor of the head count"
+            )
 
 
 def apply_tp(stage: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig) -> bool:

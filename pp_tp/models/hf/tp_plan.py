@@ -9,6 +9,7 @@ latents, which stay whole on every rank.
 Styles pp_tp cannot honour give the layout a `tp_refusal`, raised in one line when parallel.tp > 1.
 MoE experts modules come from `base_model_ep_plan` (`ep_dispatch_experts`); their declared TP (`moe_tp_experts`
 with `packed_colwise` gate/up and `rowwise` down) is pp_tp's experts pass (pp_tp.parallel.experts), not a style.
+A family whose config declares no rule for its blocks may have one supplied here (`SUPPLIED`), in the same terms.
 """
 
 from __future__ import annotations
@@ -37,6 +38,38 @@ _FUSED = {"gate_up_proj": "colwise_packed2", "qkv_proj": "colwise_packed3"}
 _EXPERT_STYLES = {"grouped_gemm", "ep_dispatch_experts", "moe_tp_experts", "packed_colwise", "packed_rowwise"}
 # The expert TP pp_tp's experts pass runs: gate/up packed on the output dim, split per part; down row-parallel.
 _EXPERTS_TP = {"": "moe_tp_experts", ".gate_up_proj": "packed_colwise", ".down_proj": "rowwise"}
+# A parameter of an attention module with one entry per head (GPT-OSS's sinks): split by heads with q/k/v.
+_BY_HEAD = "sharded_by_head"
+
+# Rules pp_tp supplies, by config.model_type, for the sub-blocks (a block's child: self_attn, mlp) a family's config
+# declares no rule for (transformers 5.24). GPT-OSS declares only its embedding: its attention is Llama's (biased
+# q/k/v/o) plus one sink logit per head, its experts pack gate/up interleaved with biases (pp_tp.parallel.experts
+# splits those too). DeepSeek-V3 declares its MLPs only: its attention is DeepSeek-V2's MLA, which V2 declares.
+SUPPLIED = {
+    "gpt_oss": {
+        **{f"layers.*.self_attn.{p}_proj": "colwise" for p in "qkv"},
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.self_attn.sinks": _BY_HEAD,
+        **{f"layers.*.mlp.experts{part}": style for part, style in _EXPERTS_TP.items()},
+    },
+    "deepseek_v3": {
+        **{f"layers.*.self_attn.{name}": "colwise" for name in ("q_proj", "q_b_proj", "kv_b_proj")},
+        "layers.*.self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj",
+        "layers.*.self_attn.o_proj": "rowwise",
+    },
+}
+
+
+def _sub_block(rule: str) -> str:
+    return ".".join(rule.split(".")[:3])  # layers.*.self_attn
+
+
+def declared_tp_plan(config: Any) -> dict[str, str]:
+    """The config's base_model_tp_plan, plus pp_tp's rules (SUPPLIED) for the sub-blocks it declares nothing for."""
+    declared = dict(getattr(config, "base_model_tp_plan", None) or {})
+    covered = {_sub_block(rule) for rule in declared}
+    supplied = SUPPLIED.get(getattr(config, "model_type", None), {})
+    return {**{r: s for r, s in supplied.items() if _sub_block(r) not in covered}, **declared}
 
 
 def block_experts(model: nn.Module, blocks_key: str) -> tuple[tuple[str, ...], bool]:
@@ -44,7 +77,7 @@ def block_experts(model: nn.Module, blocks_key: str) -> tuple[tuple[str, ...], b
     prefix = f"{blocks_key}.*."
     ep_plan = getattr(model.config, "base_model_ep_plan", None) or {}
     experts = tuple(r[len(prefix) :] for r, s in ep_plan.items() if s == "ep_dispatch_experts" and r.startswith(prefix))
-    declared = getattr(model.config, "base_model_tp_plan", None) or {}
+    declared = declared_tp_plan(model.config)
     tp = bool(experts) and all(
         declared.get(f"{prefix}{e}{part}") == s for e in experts for part, s in _EXPERTS_TP.items()
     )
@@ -58,7 +91,7 @@ def _is_expert_rule(rule: str, experts: tuple[str, ...]) -> bool:
 def block_tp_plan(model: nn.Module, blocks_key: str) -> tuple[dict[str, str], str | None]:
     """(block-relative plan, refusal text or None) from the config's base_model_tp_plan."""
     family = type(model).__name__
-    declared = getattr(model.config, "base_model_tp_plan", None)
+    declared = declared_tp_plan(model.config)
     if not declared:
         return {}, (
             f"model {family} declares no base_model_tp_plan, so pp_tp cannot shard it; set parallel.tp = 1 "
@@ -67,11 +100,15 @@ def block_tp_plan(model: nn.Module, blocks_key: str) -> tuple[dict[str, str], st
     prefix = f"{blocks_key}.*."
     experts, experts_tp = block_experts(model, blocks_key)
     plan: dict[str, str] = {}
+    by_head: set[str] = set()  # attention modules holding per-head parameters
     for rule, style in declared.items():
         if not rule.startswith(prefix):
             continue  # embedding and head are pp_tp's own (parallel.embedding, parallel.loss_parallel)
         if experts_tp and _is_expert_rule(rule[len(prefix) :], experts):
             continue  # the experts pass shards them
+        if style == _BY_HEAD:
+            by_head.add(rule[len(prefix) :].rpartition(".")[0])
+            continue
         if style not in SUPPORTED:
             why = " (MoE experts stay whole per rank)" if style in _EXPERT_STYLES else ""
             return {}, (
@@ -81,8 +118,9 @@ def block_tp_plan(model: nn.Module, blocks_key: str) -> tuple[dict[str, str], st
         plan[rule[len(prefix) :]] = SUPPORTED[style]
     plan, local_heads = _split_fused(_mla(plan), model.config)
     parents = {rule.rpartition(".")[0] for rule, style in plan.items() if style in _COLUMN and "." in rule}
-    inputs = {p: "replicate_input_local_heads" if p in local_heads else "replicate_input" for p in sorted(parents)}
-    return {**inputs, **plan}, None
+    styles = {p: "replicate_input_local_heads" if p in local_heads else "replicate_input" for p in parents}
+    styles.update(dict.fromkeys(by_head, "replicate_input_head_params"))
+    return {**dict(sorted(styles.items())), **plan}, None
 
 
 def _mla(plan: dict[str, str]) -> dict[str, str]:
