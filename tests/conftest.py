@@ -15,9 +15,22 @@ _worlds: dict[int, World] = {}
 
 
 def get_world(n: int) -> World:
+    """The n-rank world; the others are stopped while it runs (harness.World.pause)."""
+    for size, w in _worlds.items():
+        if size != n:
+            w.pause()
     if n not in _worlds:
         _worlds[n] = World(n)
     return _worlds[n]
+
+
+@pytest.fixture(autouse=True)
+def _pause_worlds():
+    """Every world stops after each test (harness.World.pause): idle ranks would otherwise poll gloo sockets while
+    other tests (and their subprocesses) run."""
+    yield
+    for w in _worlds.values():
+        w.pause()
 
 
 @pytest.fixture(scope="session")
