@@ -43,6 +43,12 @@ def experts_modules(block: nn.Module, layout: ModelLayout) -> list[tuple[str, nn
     return [(n, m) for n, m in block.named_modules() if n and any(matches_rule(r, n) for r in layout.experts)]
 
 
+def moe_layers(block: nn.Module, layout: ModelLayout) -> dict[str, nn.Module]:
+    """The block's MoE layers: the block-relative name of the module around each experts module ("" when the
+    experts module is the block's child) -> that experts module. Routing counts and expert biases key by it."""
+    return {name.rpartition(".")[0]: m for name, m in experts_modules(block, layout)}
+
+
 def grouped(module: nn.Module) -> bool:
     """Called as experts(tokens sorted by expert, tokens_per_expert) (torchtitan), not the routed convention."""
     return len(inspect.signature(module.forward).parameters) == 2
@@ -162,7 +168,7 @@ def shard_experts(module: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig) -> 
         shard = distribute_tensor(p.data, sub, _placements(module, name, pcfg), src_data_rank=None)
         module.register_parameter(name, nn.Parameter(shard, requires_grad=p.requires_grad))
     tp = mesh["tp"] if pcfg.tp > 1 else None
-    once = (_DOWN_BIAS,) if tp is not None and _DOWN_BIAS in module._parameters else ()
+    once = (_DOWN_BIAS,) if tp is not None and hasattr(module, _DOWN_BIAS) else ()
     dispatch = ExpertDispatch(count, mesh["ep"] if pcfg.ep > 1 else None, tp, once)
     if "num_experts" in vars(module) and not grouped(module):  # transformers' kernels size their bins by it
         module.num_experts = dispatch.local_experts

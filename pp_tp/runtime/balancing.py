@@ -29,7 +29,7 @@ from pp_tp.config.schema import MoEConfig
 from pp_tp.config.sections import check_balancing_keys
 from pp_tp.errors import ConfigError
 from pp_tp.layout import ModelLayout
-from pp_tp.parallel.experts import experts_modules, n_experts
+from pp_tp.parallel.experts import moe_layers, n_experts
 from pp_tp.parallel.tensor_parallel import matches_rule
 
 
@@ -44,11 +44,6 @@ def _layer_of(owner: str, layers: list[str]) -> str | None:
     return related[0] if len(related) == 1 else None
 
 
-def _moe_layers(block: nn.Module, layout: ModelLayout) -> dict[str, int]:
-    """The block's MoE layers (the module around each experts module) and their expert counts."""
-    return {name.rpartition(".")[0]: n_experts(m) for name, m in experts_modules(block, layout)}
-
-
 def check_balancing(model: nn.Module, layout: ModelLayout, pcfg: ParallelConfig, moe: MoEConfig) -> MoEConfig:
     """Refuses, in one line and before any collective, balancing the model cannot honour: the auxiliary loss
     without a router whose probabilities pp_tp reads exactly, the bias update without a declared expert bias."""
@@ -58,16 +53,16 @@ def check_balancing(model: nn.Module, layout: ModelLayout, pcfg: ParallelConfig,
     family = type(model).__name__
     key = "moe.aux_loss_coef" if moe.aux_loss_coef else "moe.bias_update_rate"
     blocks = list(model.get_submodule(layout.blocks).children())
-    layers = [_moe_layers(b, layout) for b in blocks]
+    layers = [{name: n_experts(m) for name, m in moe_layers(b, layout).items()} for b in blocks]
     if not any(layers):
         raise ConfigError(
             f"{key} = {getattr(moe, key[4:])} but model {family} has no mixture-of-experts layers pp_tp knows "
             f"(ModelLayout.experts); set {key} = 0"
         )
-    for block, moe_layers in zip(blocks, layers):
+    for block, counts in zip(blocks, layers):
         if moe.aux_loss_coef:
-            found = [_layer_of(n, list(moe_layers)) for n, _ in _named(block.named_modules(), layout.routers)]
-            if sorted(found, key=str) != sorted(moe_layers):
+            found = [_layer_of(n, list(counts)) for n, _ in _named(block.named_modules(), layout.routers)]
+            if sorted(found, key=str) != sorted(counts):
                 raise ConfigError(
                     f"moe.aux_loss_coef = {moe.aux_loss_coef} needs each MoE layer's softmax router probabilities, "
                     f"and model {family} has no router pp_tp reads them from exactly (sigmoid routers, as "
@@ -75,10 +70,10 @@ def check_balancing(model: nn.Module, layout: ModelLayout, pcfg: ParallelConfig,
                     "set moe.aux_loss_coef = 0"
                 )
         if moe.bias_update_rate:
-            biases = [(_layer_of(n.rpartition(".")[0], list(moe_layers)), b)
+            biases = [(_layer_of(n.rpartition(".")[0], list(counts)), b)
                       for n, b in _named(block.named_buffers(), layout.expert_bias)]  # fmt: skip
-            usable = all(b.dtype == torch.float32 and b.shape == (moe_layers.get(layer),) for layer, b in biases)
-            if sorted((layer for layer, _ in biases), key=str) != sorted(moe_layers) or not usable:
+            usable = all(b.dtype == torch.float32 and b.shape == (counts.get(layer),) for layer, b in biases)
+            if sorted((layer for layer, _ in biases), key=str) != sorted(counts) or not usable:
                 raise ConfigError(
                     f"moe.bias_update_rate = {moe.bias_update_rate} moves each MoE layer's fp32 expert bias [experts], "
                     f"and model {family} declares none (ModelLayout.expert_bias); set moe.bias_update_rate = 0"
@@ -134,7 +129,7 @@ class ExpertBiases:
         self.biases: list[tuple[str, torch.Tensor]] = []
         for stage in stages:
             for key, block in zip(stage.spec.blocks, stage.block_modules()):
-                layers = list(_moe_layers(block, layout))
+                layers = list(moe_layers(block, layout))
                 for name, bias in _named(block.named_buffers(), layout.expert_bias):
                     self.biases.append((f"{layout.blocks}.{key}.{_layer_of(name.rpartition('.')[0], layers)}", bias))
 

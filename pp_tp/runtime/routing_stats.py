@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from pp_tp._torch import in_backward
 from pp_tp.layout import ModelLayout
 from pp_tp.mesh import rank_device
-from pp_tp.parallel.experts import experts_modules, n_experts, routing_counts
+from pp_tp.parallel.experts import moe_layers, n_experts, routing_counts
 
 
 class RoutingStats:
@@ -29,8 +29,8 @@ class RoutingStats:
         self._groups = [mesh.get_group(d) for d in ("dp_replicate", "dp_shard") if mesh[d].size() > 1]
         for stage in stages:
             for key, block in zip(stage.spec.blocks, stage.block_modules()):
-                for name, experts in experts_modules(block, layout):
-                    layer = f"{layout.blocks}.{key}.{name.rpartition('.')[0]}".rstrip(".")
+                for name, experts in moe_layers(block, layout).items():
+                    layer = f"{layout.blocks}.{key}.{name}".rstrip(".")
                     self.counts[layer] = torch.zeros(n_experts_of(experts), dtype=torch.int64, device=device)
                     experts.register_forward_pre_hook(self._counter(layer))
 
