@@ -121,12 +121,16 @@ class World:
         return [out[r] for r in range(self.world_size)]
 
     def close(self) -> None:
+        """Ends the ranks: asked to leave, then killed after a short shared grace period (a rank tearing down its
+        gloo groups, or stuck with a failed peer, must not cost seconds each)."""
         self._signal(signal.SIGCONT)
         for q, p in zip(self._tasks if self._procs else [], self._procs):
             if p.is_alive():
                 q.put(None)
+        deadline = time.monotonic() + 2
         for p in self._procs:
-            p.join(timeout=5)
+            p.join(timeout=max(deadline - time.monotonic(), 0))
             if p.is_alive():
                 p.kill()
+                p.join()
         self._procs = []

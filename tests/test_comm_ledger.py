@@ -188,16 +188,25 @@ def test_ledger_fsdp_x_tp_and_hsdp(world):
 # --- gradient reduction every k microbatches (parallel.fsdp_grad_reduce) --------------------------
 
 
+# (schedule, stages per rank, [(fsdp_reshard_after_forward, fsdp_grad_reduce)]): every policy pair on 1F1B, and
+# each other schedule with pairs that together cover both reshard values and all three reduce values
+# (ZBVZeroBubble refuses "always": torch leaves its weight gradients unset).
+_BOTH = ("default", "always")
+GRAD_REDUCE = [
+    ("1F1B", 1, [(r, k) for r in _BOTH for k in ("step", "microbatch", 3)]),
+    ("GPipe", 1, [("always", 3), ("default", "microbatch")]),
+    ("Interleaved1F1B", 2, [("always", "microbatch"), ("default", 3)]),
+    ("ZBVZeroBubble", 2, [("default", "step"), ("default", 3)]),
+]
+
+
 def grad_reduce_ledger_case() -> list[tuple[dict, dict]]:
     out = []
-    for schedule, spr in (("1F1B", 1), ("GPipe", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2)):
-        for reshard in ("default", "always"):
-            for reduce in ("step", "microbatch", 3):
-                if schedule == "ZBVZeroBubble" and reshard == "always":
-                    continue  # refused: torch leaves weight gradients unset
-                kw = dict(pp=2, dp_shard=2, schedule=schedule, stages_per_rank=spr, microbatches=4)
-                kw.update(fsdp_reshard_after_forward=reshard, fsdp_grad_reduce=reduce)
-                out.append((kw, ledger_case(kw)))
+    for schedule, spr, policies in GRAD_REDUCE:
+        for reshard, reduce in policies:
+            kw = dict(pp=2, dp_shard=2, schedule=schedule, stages_per_rank=spr, microbatches=4)
+            kw.update(fsdp_reshard_after_forward=reshard, fsdp_grad_reduce=reduce)
+            out.append((kw, ledger_case(kw)))
     return out
 
 
