@@ -100,6 +100,18 @@ def test_check_tp_plan_refuses_bad_declared_plans_before_building():
     model.layers["2"]._tp_plan = {k: v for k, v in REFERENCE.tp_plan.items() if k != "feed_forward.w3"}
     with pytest.raises(ConfigError, match=r"parameter 'feed_forward.w3.weight' sits inside a tensor-parallel sub"):
         check_tp_plan(model, REFERENCE, pcfg_of(tp=2))
+    # Per-head parameters of an attention module split with its heads: one entry per head (GPT-OSS's sinks) is
+    # accepted, and a parameter whose dim 0 the TP degree does not divide is refused.
+    attention = model.layers["2"].attention
+    attention.register_parameter("sinks", torch.nn.Parameter(torch.zeros(TINY.n_heads, device="meta")))
+    model.layers["2"]._tp_plan = {**REFERENCE.tp_plan, "attention": "replicate_input_head_params"}
+    check_tp_plan(model, REFERENCE, pcfg_of(tp=2))
+    attention.register_parameter("sinks", torch.nn.Parameter(torch.zeros(TINY.n_heads + 1, device="meta")))
+    with pytest.raises(
+        ConfigError, match=r"layers.2.attention.sinks: \(5,\) cannot be split by heads over parallel.tp"
+    ):
+        check_tp_plan(model, REFERENCE, pcfg_of(tp=2))
+    del attention.sinks
     # A sub-block left whole (no rule in it) runs unsharded on every TP rank: correct, wasteful, warned.
     model.layers["2"]._tp_plan = {k: v for k, v in REFERENCE.tp_plan.items() if not k.startswith("feed_forward")}
     with pytest.warns(UserWarning, match=r"\['feed_forward.w1', 'feed_forward.w2', 'feed_forward.w3'\] match no TP"):
