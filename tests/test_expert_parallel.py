@@ -3,9 +3,10 @@
 Each case runs the family's own forward + backward and two AdamW steps against the pipelined build on the same
 weights and a batch with uneven padding across dp ranks, in lockstep (pp_tp/parity.py): loss, every full gradient
 (experts gathered from their expert-dim shards), every parameter and persistent buffer after each step,
-relative error <= 1e-5. Layouts: pp2 x ep2 over 1F1B, Interleaved1F1B and ZBVZeroBubble (split backward) and
-pp2 x tp2 (TP experts) over Interleaved1F1B and ZBVZeroBubble on 4 ranks; pp2 x ep2 x tp2 (Mixtral; GPT-OSS
-on the plan pp_tp supplies), HSDP with EP and experts FSDP-sharded over the ranks EP leaves on 8 ranks.
+relative error <= 1e-5. Layouts: on 4 ranks pp2 x ep2 over Interleaved1F1B and ZBVZeroBubble (split backward) and
+pp2 x tp2 (TP experts) over 1F1B, Interleaved1F1B and ZBVZeroBubble; on 8 ranks, over 1F1B and Interleaved1F1B,
+pp2 x ep2 x tp2 (Mixtral; GPT-OSS on the plan pp_tp supplies), HSDP with EP and experts FSDP-sharded over the
+ranks EP leaves.
 """
 
 from __future__ import annotations
