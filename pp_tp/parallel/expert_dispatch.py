@@ -34,9 +34,9 @@ class ExpertDispatch:
     n_experts: int
     ep: DeviceMesh | None
     tp: DeviceMesh | None
-    # Parameters whole on every TP rank whose term the family's forward adds to each expert output (the down bias):
-    # TP rank 0 adds it, the others read zeros, so the all-reduce counts it once.
-    once_over_tp: tuple[str, ...] = ()
+    # Parameters this rank reads as zeros: whole on every TP rank, their term added to each expert output (the down
+    # bias) comes from TP rank 0 only, so the all-reduce counts it once.
+    zeroed: tuple[str, ...] = ()
 
     @property
     def local_experts(self) -> int:
@@ -63,8 +63,7 @@ class ExpertDispatch:
         else:
             slots, ids, send, recv = self._send(slots, torch.bincount(flat, minlength=self.n_experts))
         ones = torch.ones(ids.shape[0], 1, dtype=top_k_weights.dtype, device=ids.device)
-        once = self.once_over_tp if self.tp is not None and self.tp.get_local_rank() else ()
-        with local_parameters(module, 1.0 / self.ep.size() if self.ep is not None else 1.0, once) as local:
+        with local_parameters(module, 1.0 / self.ep.size() if self.ep is not None else 1.0, self.zeroed) as local:
             out = forward(module, slots, ids.unsqueeze(1), ones)
         if self.ep is not None:
             out = _zero_gradient_for_unreached(out, slots, local)

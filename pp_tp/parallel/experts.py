@@ -168,8 +168,8 @@ def shard_experts(module: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig) -> 
         shard = distribute_tensor(p.data, sub, _placements(module, name, pcfg), src_data_rank=None)
         module.register_parameter(name, nn.Parameter(shard, requires_grad=p.requires_grad))
     tp = mesh["tp"] if pcfg.tp > 1 else None
-    once = (_DOWN_BIAS,) if tp is not None and hasattr(module, _DOWN_BIAS) else ()
-    dispatch = ExpertDispatch(count, mesh["ep"] if pcfg.ep > 1 else None, tp, once)
+    zeroed = (_DOWN_BIAS,) if tp is not None and tp.get_local_rank() and hasattr(module, _DOWN_BIAS) else ()
+    dispatch = ExpertDispatch(count, mesh["ep"] if pcfg.ep > 1 else None, tp, zeroed)
     if "num_experts" in vars(module) and not grouped(module):  # transformers' kernels size their bins by it
         module.num_experts = dispatch.local_experts
     module.expert_dispatch = dispatch

@@ -22,6 +22,8 @@ DTensor input instead of reducing it, and run the module's own forward on plain 
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -51,20 +53,35 @@ def localize_heads(module: nn.Module, tp: int) -> None:
             setattr(module, name, vars(module)[name] // tp)
 
 
+def _distribute_own(module: nn.Module, mesh: DeviceMesh, placements: list[Placement], src: int | None) -> None:
+    """`module`'s own parameters become DTensors with `placements` (on meta: no communication)."""
+    for name, p in list(module.named_parameters(recurse=False)):
+        shard = distribute_tensor(p, mesh, placements, src_data_rank=src)
+        module.register_parameter(name, nn.Parameter(shard, requires_grad=p.requires_grad))
+
+
+@contextmanager
+def _reading_local(module: nn.Module, grad: tuple[Placement, ...] | None = None) -> Iterator[None]:
+    """`module`'s own DTensor parameters read as their local shards while inside (gradients with placements `grad`,
+    None: the parameter's own)."""
+    saved = swap_parameters(
+        module, {n: p.to_local(grad_placements=grad) for n, p in module.named_parameters(recurse=False)}
+    )
+    try:
+        yield
+    finally:
+        swap_parameters(module, saved)
+
+
 def shard_head_params(module: nn.Module, mesh: DeviceMesh, src_data_rank: int | None = None) -> None:
     """Splits `module`'s own parameters on dim 0 (heads) over `mesh`; its forward reads their local shards (the
     gradients come back as Shard(0) DTensors)."""
-    for name, p in list(module.named_parameters(recurse=False)):
-        shard = distribute_tensor(p, mesh, [Shard(0)], src_data_rank=src_data_rank)
-        module.register_parameter(name, nn.Parameter(shard, requires_grad=p.requires_grad))
+    _distribute_own(module, mesh, [Shard(0)], src_data_rank)
     forward = module.forward
 
     def local_forward(*args: Any, **kwargs: Any) -> Any:
-        saved = swap_parameters(module, {n: p.to_local() for n, p in module.named_parameters(recurse=False)})
-        try:
+        with _reading_local(module):
             return forward(*args, **kwargs)
-        finally:
-            swap_parameters(module, saved)
 
     module.forward = local_forward
 
@@ -77,9 +94,7 @@ class _LocalCompute(ParallelStyle):
     reduce_plain_input: bool  # a plain input's gradient is all-reduced (no replicate_input around the module)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        for name, p in list(module.named_parameters(recurse=False)):
-            shard = distribute_tensor(p, device_mesh, list(self.placements), src_data_rank=self.src_data_rank)
-            module.register_parameter(name, nn.Parameter(shard, requires_grad=p.requires_grad))
+        _distribute_own(module, device_mesh, list(self.placements), self.src_data_rank)
         forward = module.forward
 
         def local_forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -87,12 +102,8 @@ class _LocalCompute(ParallelStyle):
                 x = DTensor.from_local(x, device_mesh, (Replicate(),), run_check=False)
             if isinstance(x, DTensor):
                 x = x.to_local(grad_placements=_PARTIAL)
-            local = {n: p.to_local(grad_placements=self.param_grad) for n, p in module.named_parameters(recurse=False)}
-            saved = swap_parameters(module, local)
-            try:
+            with _reading_local(module, self.param_grad):
                 return forward(x, *args, **kwargs)
-            finally:
-                swap_parameters(module, saved)
 
         module.forward = local_forward
         return module
