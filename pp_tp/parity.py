@@ -1,16 +1,33 @@
-"""The same optimizer steps on a model in one process and on its Pipeline, compared after every step: the loss,
-every full gradient, every parameter after the optimizer step and the persistent buffers.
+"""The same optimizer steps on a model in one process and on its Pipeline, judged after every step against a
+float64 run of the plain model: the loss, every full gradient, every parameter after the optimizer step, the
+persistent buffers and the clipped norm.
+
+Why float64: a fixed tolerance on fp32 differences is bound to one machine (kernels round differently on another
+CPU) and to how well conditioned each tensor is. So the loss, every gradient, every persistent buffer and the
+clipped norm of the pipelined build are judged by their distance to the float64 truth relative to the plain fp32
+build's own distance, per tensor: each passes when
+    err(pipeline, f64) <= FACTOR * err(plain fp32, f64) + floor,
+`floor` being a few units of roundoff of the pipeline's compute dtype (fp32, or bf16 under mixed precision).
+Every step is judged from the pipeline's own parameters: AdamW scales every element's update to about lr, so a
+gradient element near its eps whose roundoff differs (measured on CREDIT: 4.4e-9, off by 2 %) moves that parameter
+by up to lr in either fp32 build, at random, and two trajectories part by more than any factor allows from then on.
+So the first step starts all three builds from the model's weights (the pipeline's loaded parameters must equal
+them), each later step loads the pipeline's current parameters into both references first, and the parameters after
+each optimizer step are judged against that step redone in float64 from the pipeline's own parameters and
+gradients (within the floor). Gradients right and the step right: the parameters are right.
 
 `pp-tp parity` (pp_tp/cli/parity.py) and the parity tests (tests/parity_utils.py) share it, so the command checks
-what the tests check. Each rank runs both: the reference on the whole batch, the pipeline on its DP share.
+what the tests check. Each rank runs all three: the references on the whole batch, the pipeline on its DP share.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -23,12 +40,24 @@ from pp_tp.tensor_utils import full_tensor, persistent_buffers
 
 MakeOptimizer = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
+# The pipeline may sit this many times further from the truth than the plain fp32 build: it sums the same terms in
+# another order (microbatches, TP and DP reductions), which moves roundoff by a small factor, never by a bug's size.
+FACTOR = 10.0
+# Units of roundoff of the compute dtype that any tensor may be off, even where the plain build happens to be exact.
+FLOOR_ULPS = 8
+
+
+def floor_for(dtype: torch.dtype) -> float:
+    """The error every tensor is allowed whatever the plain build's: FLOOR_ULPS units of `dtype`'s roundoff."""
+    return FLOOR_ULPS * torch.finfo(dtype).eps
+
 
 def mean_token_loss(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The model's own forward and the mean cross-entropy over non-ignored labels: what `Pipeline.step` equals."""
     out = model(ids)
     logits = out.logits if hasattr(out, "logits") else out
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float64 stays float64
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
 
 
 def dp_share(mesh: DeviceMesh, t: torch.Tensor) -> torch.Tensor:
@@ -54,14 +83,23 @@ class ReferenceRun:
         loss: SumLoss | None = None,
     ):
         self.model, self.max_norm, self.loss = model, max_norm, loss
+        self.make_optimizer = make_optimizer
         self.optimizer = make_optimizer(list(model.parameters()))
         self.losses: list[float] = []
         self.norms: list[float] = []
 
+    def in_float64(self) -> ReferenceRun:
+        """The same run on a float64 copy of the model as it is now (before any step): the truth both fp32 builds
+        are judged against. Integer buffers stay as they are."""
+        if self.losses:
+            raise RuntimeError("the float64 truth must start from the weights before the first step")
+        model = copy.deepcopy(self.model).to(torch.float64)
+        return ReferenceRun(model, self.make_optimizer, self.max_norm, self.loss)
+
     def step(self, ids: torch.Tensor, labels: torch.Tensor) -> float:
         self.optimizer.zero_grad()
-        device = next(self.model.parameters()).device
-        ids, labels = ids.to(device), labels.to(device)
+        param = next(self.model.parameters())
+        ids, labels = (t.to(param.device, param.dtype if t.is_floating_point() else t.dtype) for t in (ids, labels))
         if self.loss is None:
             loss = mean_token_loss(self.model, ids, labels)
         else:
@@ -72,6 +110,12 @@ class ReferenceRun:
         self.optimizer.step()
         self.losses.append(loss.item())
         return self.losses[-1]
+
+    def load(self, params: dict[str, torch.Tensor]) -> None:
+        """Sets every parameter (canonical names) to `params`' value, cast to the model's dtype."""
+        with torch.no_grad():
+            for k, p in self.model.named_parameters():
+                p.copy_(params[k])
 
     def grads(self) -> dict[str, torch.Tensor]:
         """Gradients by canonical name (a tied weight once)."""
@@ -90,11 +134,16 @@ class PipelineRun:
     `keys` maps those to the model's canonical names (a tied copy to its weight)."""
 
     def __init__(self, pipe: Pipeline, make_optimizer: MakeOptimizer, max_norm: float | None = None):
-        self.pipe, self.max_norm = pipe, max_norm
+        self.pipe, self.max_norm, self.make_optimizer = pipe, max_norm, make_optimizer
         self.optimizer = make_optimizer([p for part in pipe.model_parts for p in part.parameters()])
         self.keys = {k: part.checkpoint_keys[k] for part in pipe.model_parts for k, _ in part.named_parameters()}
         self.losses: list[float] = []
         self.norms: list[float] = []
+
+    @property
+    def floor(self) -> float:
+        """The error floor of this build's compute dtype (bf16 under mixed precision, else fp32)."""
+        return floor_for(torch.bfloat16 if self.pipe.pcfg.mixed_precision == "bf16" else torch.float32)
 
     def step(self, ids: torch.Tensor, labels: torch.Tensor) -> float:
         self.optimizer.zero_grad()
@@ -123,38 +172,148 @@ def worst_err(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], keys:
 def buffer_err(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
     """Worst relative error of a stage's persistent buffers against the reference model's (inf for a missing or
     extra one, or a mismatched integer buffer)."""
-    errs = [0.0]
-    for k, b in got.items():
-        if k not in want or b.shape != want[k].shape:
-            return float("inf")
-        same = torch.equal(b, want[k])
-        errs.append(rel_err(b, want[k]) if b.is_floating_point() else (0.0 if same else float("inf")))
-    return max(errs)
+    return max((_tensor_err(b, want.get(k)) for k, b in got.items()), default=0.0)
+
+
+def _tensor_err(got: torch.Tensor, want: torch.Tensor | None) -> float:
+    """Relative error; inf where `want` is missing or shaped otherwise, or an integer tensor differs at all."""
+    if want is None or got.shape != want.shape:
+        return float("inf")
+    if not got.is_floating_point():
+        return 0.0 if torch.equal(got, want.to(got.dtype)) else float("inf")
+    return rel_err(got, want)
+
+
+@dataclass(frozen=True)
+class Judged:
+    """One kind of tensor (grads, params, ...) on this rank against the float64 truth: the worst per-tensor score
+    err_pipe / (FACTOR * err_plain + floor), the tensor that has it, and its two distances."""
+
+    score: float = 0.0
+    name: str = ""
+    pipe: float = 0.0
+    plain: float = 0.0
+
+
+def judge(
+    got: dict[str, torch.Tensor],
+    plain: dict[str, torch.Tensor] | None,
+    truth: dict[str, torch.Tensor],
+    keys: dict[str, str],
+    floor: float,
+) -> Judged:
+    """Each of `got`'s tensors (under `keys`' canonical names) scored against the truth; passes at score <= 1. A
+    tensor the references lack, or shaped otherwise, scores inf; without `plain`, the floor alone bounds it."""
+    worst = Judged()
+    for k, t in got.items():
+        name = keys.get(k, k)
+        e_pipe = _tensor_err(t, truth.get(name))
+        if plain is None:  # no plain build to measure the conditioning: the floor alone
+            e_plain = 0.0
+        else:
+            e_plain = _tensor_err(plain[name], truth[name]) if name in plain and name in truth else float("inf")
+        score = e_pipe / (FACTOR * e_plain + floor) if max(e_pipe, e_plain) < float("inf") else float("inf")
+        if score > worst.score or not worst.name:
+            worst = Judged(score, name, e_pipe, e_plain)
+    return worst
+
+
+def _judge_scalar(got: list[float], plain: list[float], truth: list[float], floor: float) -> Judged:
+    """The last value of a per-step series (loss, clipped norm) judged like a tensor."""
+    return judge(*({"x": torch.tensor(v[-1], dtype=torch.float64)} for v in (got, plain, truth)), {}, floor)
 
 
 @dataclass(frozen=True)
 class StepDiff:
-    """One step of both runs: the global losses, and this rank's worst relative errors (its own parameters)."""
+    """One step of the three runs: the global losses; this rank's worst relative errors against the plain fp32 build
+    (its own parameters); and `judged`, per kind (loss, grads, params, buffers, norm), the verdict against the
+    float64 truth that decides `passed`."""
 
     loss: float
     ref_loss: float
+    truth_loss: float
     loss_err: float
     grad_err: float
     param_err: float
     buffer_err: float
+    judged: dict[str, Judged]
+
+    @property
+    def score(self) -> float:
+        return max(j.score for j in self.judged.values())
+
+    @property
+    def passed(self) -> bool:
+        return self.score <= 1.0
+
+
+class StepInFloat64:
+    """The pipeline's optimizer steps redone in float64 on full copies of its parameters, from its own parameters
+    and (clipped) gradients each step, with an optimizer of the same factory carrying its own state."""
+
+    def __init__(self, run: PipelineRun):
+        self.params = {k: nn.Parameter(p.double()) for k, p in run.params().items()}
+        self.optimizer = run.make_optimizer(list(self.params.values()))
+
+    def take(self, before: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The parameters one step after `before` with `grads`."""
+        with torch.no_grad():
+            for k, p in self.params.items():
+                p.copy_(before[k])
+                p.grad = grads[k].double()
+        self.optimizer.step()
+        return {k: p.detach() for k, p in self.params.items()}
+
+
+def _whole_model(run: PipelineRun, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`params` (this rank's stages, local names) of every pp rank, by canonical name, on every rank: the
+    references are whole models."""
+    mine = {run.keys[k]: p.cpu() for k, p in params.items()}
+    group = run.pipe.mesh.get_group("pp")
+    every: list[dict[str, torch.Tensor]] = [{} for _ in range(dist.get_world_size(group))]
+    dist.all_gather_object(every, mine, group=group)
+    return {k: v for part in every for k, v in part.items()}
+
+
+def _judge_step(
+    run: PipelineRun, ref: ReferenceRun, truth: ReferenceRun, update: dict[str, torch.Tensor]
+) -> dict[str, Judged]:
+    """Every kind of tensor of the step just taken, judged against the truth; parameters against `update`."""
+    floor, keys = run.floor, run.keys
+    out = {"loss": _judge_scalar(run.losses, ref.losses, truth.losses, floor)}
+    if run.norms:
+        out["norm"] = _judge_scalar(run.norms, ref.norms, truth.norms, floor)
+    out["grads"] = judge(run.grads(), ref.grads(), truth.grads(), keys, floor)
+    out["params"] = judge(run.params(), None, update, {}, floor)
+    out["buffers"] = judge(run.buffers(), ref.buffers(), truth.buffers(), {}, floor)
+    return out
 
 
 def lockstep(
     run: PipelineRun, ref: ReferenceRun, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]
 ) -> Iterator[StepDiff]:
-    """Steps both runs on each global batch and compares them after each step."""
-    for ids, labels in batches:
-        want, got = ref.step(ids, labels), run.step(ids, labels)
+    """Steps the pipeline, the plain fp32 build and its float64 copy (made here, before the first step) on each
+    global batch and judges them after each step."""
+    truth, redo = ref.in_float64(), StepInFloat64(run)
+    loaded = judge(run.params(), None, ref.params(), run.keys, run.floor)  # the pipeline holds the model's weights
+    for i, (ids, labels) in enumerate(batches):
+        before = {k: p.to(torch.float64, copy=True) for k, p in run.params().items()}
+        if i:  # from the pipeline's parameters (module docstring: fp32 trajectories part at random)
+            state = _whole_model(run, before)
+            ref.load(state)
+            truth.load(state)
+        want, got, true = ref.step(ids, labels), run.step(ids, labels), truth.step(ids, labels)
+        update = redo.take(before, run.grads())
+        judged = _judge_step(run, ref, truth, update)
+        if not i:
+            judged["params"] = max(judged["params"], loaded, key=lambda j: j.score)
         yield StepDiff(
             loss=got,
             ref_loss=want,
+            truth_loss=true,
             loss_err=abs(got - want) / max(abs(want), 1e-30),
             grad_err=worst_err(run.grads(), ref.grads(), run.keys),
             param_err=worst_err(run.params(), ref.params(), run.keys),
             buffer_err=buffer_err(run.buffers(), ref.buffers()),
+            judged=judged,
         )

@@ -14,15 +14,12 @@ import pp_tp
 from pp_tp.config import ModelConfig, ParallelConfig
 from pp_tp.models.factory import build_model
 from pp_tp.models.reference.model import ModelArgs
-from pp_tp.parity import PipelineRun, ReferenceRun, lockstep, rel_err  # noqa: F401  (tests reach pu.rel_err)
+from pp_tp.parity import PipelineRun, ReferenceRun, StepDiff, lockstep, rel_err  # noqa: F401  (tests reach pu.rel_err)
 from pp_tp.tensor_utils import full_tensor, persistent_buffers  # noqa: F401  (tests reach pu.full_tensor)
 
 _MESHES: dict = {}
 
 TINY = ModelArgs(vocab_size=96, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=32)
-# AdamW eps above the fp32 roundoff of a gradient element (~1e-9 here): with 1e-8, an element whose gradient is
-# nearly zero turns summation-order noise (TP all-reduces) into a full-size update and params drift by ~3e-5.
-ADAM_EPS = 1e-6
 
 
 def mesh_for(pcfg: ParallelConfig):
@@ -76,8 +73,9 @@ def batch(args: ModelArgs, n: int, seq: int, seed: int = 1, pad: bool = True) ->
 
 
 def adamw(lr: float = 1e-3):
-    """The tests' optimizer factory for ReferenceRun and PipelineRun."""
-    return lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.1, eps=ADAM_EPS)
+    """The tests' optimizer factory for ReferenceRun and PipelineRun: torch's AdamW defaults (eps 1e-8, whose first
+    step turns roundoff on near-zero gradients into whole updates: the float64 verdict judges that fairly)."""
+    return lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.1)
 
 
 def reference(
@@ -162,9 +160,8 @@ def compare(
     ids, labels = batch(args, batch_size, seq, pad=pad)
     ref = reference(state, args, hf, max_norm=max_norm)
     run = pipeline(pcfg, copy.deepcopy(state), args, hf, max_norm=max_norm)
-    diffs = list(lockstep(run, ref, [(ids, labels)] * steps))
     return {
-        **{e: max(getattr(d, e) for d in diffs) for e in ("loss_err", "grad_err", "param_err", "buffer_err")},
+        **summary(list(lockstep(run, ref, [(ids, labels)] * steps))),
         "losses": run.losses,
         "norm_err": max((abs(a - b) / b for a, b in zip(run.norms, ref.norms)), default=0.0),
         "norms": run.norms,
@@ -175,11 +172,27 @@ def compare(
     }
 
 
-def assert_parity(results: list[dict], tol: float = 1e-5) -> None:
-    """Every rank's loss, gradients and params match; the pp ranks' parameters cover the model exactly once."""
+def summary(diffs: list[StepDiff]) -> dict:
+    """The steps' worst errors against the plain build (`loss_err`, ...: for information and for tests that show a
+    build is off) and the float64 verdict: `score` (passes at <= 1) and each kind's worst score (`scores`)."""
+    kinds = diffs[0].judged
+    return {
+        **{e: max(getattr(d, e) for d in diffs) for e in ("loss_err", "grad_err", "param_err", "buffer_err")},
+        "score": max(d.score for d in diffs),
+        "scores": {k: max(d.judged[k].score for d in diffs) for k in kinds},
+    }
+
+
+def assert_passes(r: dict, *context) -> None:
+    """One rank's result passes the float64 verdict (pp_tp/parity.py)."""
+    assert r["score"] <= 1.0, (*context, r["scores"], r)
+
+
+def assert_parity(results: list[dict]) -> None:
+    """Every rank's loss, gradients, params, buffers and norms pass the float64 verdict; the pp ranks' parameters
+    cover the model exactly once."""
     for r in results:
-        errs = ("loss_err", "grad_err", "param_err", "norm_err", "buffer_err")
-        assert all(r[e] <= tol for e in errs), r
+        assert_passes(r)
     by_pp = {r["pp_rank"]: r["names"] for r in results}
     union = [n for names in by_pp.values() for n in names]
     assert sorted(union) == results[0]["all_names"], "pp ranks' parameters must cover the model exactly once"

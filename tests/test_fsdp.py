@@ -83,9 +83,9 @@ def parity_case(configs: list[dict], args=pu.TINY, batch_size: int = 8, backend:
     return out
 
 
-def _assert_all(results: list[list[dict]], tol: float) -> None:
+def _assert_all(results: list[list[dict]]) -> None:
     for per_config in zip(*results):
-        pu.assert_parity(list(per_config), tol)
+        pu.assert_parity(list(per_config))
         assert all(n > MAX_NORM for r in per_config for n in r["ref_norms"]), "clipping must be active"
 
 
@@ -108,7 +108,7 @@ PP2_DP2 = [
 
 
 def test_parity_pp2_dp2_every_schedule_class_and_policy(world):
-    _assert_all(world(4).run(parity_case, PP2_DP2), tol=1e-5)
+    _assert_all(world(4).run(parity_case, PP2_DP2))
 
 
 def test_parity_bf16_mixed_precision(world):
@@ -118,7 +118,7 @@ def test_parity_bf16_mixed_precision(world):
         dict(pp=2, tp=2, schedule="Interleaved1F1B", stages_per_rank=2, microbatches=2, mixed_precision="bf16"),
     ]
     results = world(4).run(parity_case, configs)
-    _assert_all(results, tol=5e-2)
+    _assert_all(results)  # judged with the floor of bf16 roundoff
     # bf16 really ran: fp32 parity is ~1e-7, bf16 compute is off by far more.
     assert all(r["grad_err"] > 1e-4 for per_rank in results for r in per_rank)
 

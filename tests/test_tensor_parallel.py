@@ -145,7 +145,7 @@ def _parity_cases(cases: list[tuple]) -> list[dict]:
 def _assert_all(per_rank: list[list[dict]], cases: list[tuple]) -> None:
     for i, case in enumerate(cases):
         try:
-            assert_parity([r[i] for r in per_rank], tol=1e-5)
+            assert_parity([r[i] for r in per_rank])
         except AssertionError as e:
             raise AssertionError(f"{case}: {e}") from None
 

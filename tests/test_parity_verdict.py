@@ -1,0 +1,97 @@
+"""The float64 verdict (pp_tp/parity.py): a correct build passes on any machine, a badly conditioned tensor is judged
+by how badly conditioned it is, planted bugs fail, and every shipped CPU config passes `pp-tp parity` with its
+defaults."""
+
+from __future__ import annotations
+
+import copy
+import glob
+import os
+from dataclasses import replace
+
+import parity_utils as pu
+import torch
+
+from pp_tp.cli.parity import run_parity
+from pp_tp.config import load_config
+from pp_tp.parity import FACTOR, PipelineRun, floor_for, judge, lockstep
+from pp_tp.runtime.loss import TokenSumLoss
+from pp_tp.tensor_utils import full_tensor
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHIPPED = sorted(glob.glob(os.path.join(REPO, "toml_configs", "*_cpu.toml")))
+FLOOR = floor_for(torch.float32)
+
+
+def test_judge_scales_with_the_plain_builds_distance():
+    truth = {"w": torch.ones(100, dtype=torch.float64)}
+    noisy = {"w": truth["w"] + 1e-4}  # a badly conditioned tensor: the plain fp32 build is 1e-4 off
+    close = {"w": truth["w"] + 5e-4}
+    assert judge(close, noisy, truth, {}, FLOOR).score <= 1.0  # 5x the plain's distance: roundoff, passes
+    far = {"w": truth["w"] + 2 * FACTOR * 1e-4}
+    assert judge(far, noisy, truth, {}, FLOOR).score > 1.0
+    exact_plain = {"w": truth["w"].clone()}
+    assert judge(close, exact_plain, truth, {}, FLOOR).score > 1.0  # where the plain is exact, the floor decides
+    assert judge({"w": truth["w"] + 1e-7}, exact_plain, truth, {}, FLOOR).score <= 1.0
+    r = judge({"w": torch.ones(3)}, noisy, truth, {}, FLOOR)  # shaped otherwise
+    assert r.score == float("inf") and r.name == "w"
+    ints = {"b": torch.tensor([1, 2])}
+    assert judge({"b": torch.tensor([1, 3])}, ints, ints, {}, FLOOR).score == float("inf")
+
+
+class DropFirstMicrobatch(TokenSumLoss):
+    """Planted bug: the first microbatch of every step adds its loss but no gradient."""
+
+    calls = 0
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = super().__call__(logits, labels)
+        type(self).calls += 1
+        return loss.detach() + 0 * loss if type(self).calls % 2 == 1 else loss
+
+
+def _bias_twice(pipe) -> int:
+    """Planted bug: every row-parallel attention output adds its bias a second time. Returns the hooks placed."""
+    hooks = 0
+    for part in pipe.model_parts:
+        for name, mod in part.named_modules():
+            if name.endswith("attention.wo"):
+                mod.register_forward_hook(lambda m, i, out: out + full_tensor(m.bias))
+                hooks += 1
+    return hooks
+
+
+def planted_case() -> dict:
+    """pp2 x tp2, the reference model with biases: the correct build, then each planted bug; the worst score each."""
+    args = replace(pu.TINY, attn_bias=True)
+    pcfg = pu.pcfg_of(pp=2, tp=2, schedule="1F1B", microbatches=2)
+    state = pu.reference_state(args)
+    ids, labels = pu.batch(args, 8, 16)
+    out = {}
+    for bug in ("none", "dropped_microbatch", "bias_twice"):
+        run = pu.pipeline(pcfg, copy.deepcopy(state), args)
+        if bug == "dropped_microbatch":
+            run.pipe._loss.__class__ = DropFirstMicrobatch
+        if bug == "bias_twice":
+            out["hooks"] = _bias_twice(run.pipe)
+        diffs = list(lockstep(PipelineRun(run.pipe, pu.adamw()), pu.reference(state, args), [(ids, labels)] * 2))
+        out[bug] = pu.summary(diffs)
+    return out
+
+
+def test_planted_bugs_fail_and_the_correct_build_passes(world):
+    for r in world(4).run(planted_case):
+        pu.assert_passes(r["none"])
+        assert r["dropped_microbatch"]["scores"]["grads"] > 100, r["dropped_microbatch"]
+        assert r["hooks"] == 2 and r["bias_twice"]["scores"]["loss"] > 100, r["bias_twice"]
+
+
+def shipped_case() -> list[int]:
+    """`pp-tp parity`'s per-rank run on every shipped CPU config with its defaults (0: every step passed)."""
+    return [run_parity(load_config(path, []), 2) for path in SHIPPED]
+
+
+def test_every_shipped_cpu_config_passes_parity_with_its_defaults(world):
+    assert len(SHIPPED) >= 6, SHIPPED
+    for codes in world(4).run(shipped_case):
+        assert codes == [0] * len(SHIPPED), dict(zip(SHIPPED, codes))
