@@ -17,8 +17,9 @@ from pp_tp.errors import ConfigError
 from pp_tp.layout import ModelDims, ModelLayout, check_document_mask, layout_for
 from pp_tp.parallel.experts import check_experts
 from pp_tp.parallel.float8 import check_float8
-from pp_tp.parallel.rng import CLOSES, DEVICES, NEUTRAL, OPENS, active_dropout
+from pp_tp.parallel.rng import DEVICES, active_dropout
 from pp_tp.parallel.tensor_parallel import block_plan, check_tp_plan
+from pp_tp.parallel.tp_styles import TP_STYLES
 from pp_tp.runtime.balancing import check_balancing
 from pp_tp.split.plan import StagePlan, plan_stages
 from pp_tp.stages.stage_module import reserved_name
@@ -105,8 +106,8 @@ def check_layout_names(layout: ModelLayout) -> None:
 
 def check_dropout(model: nn.Module, layout: ModelLayout, pcfg: ParallelConfig, device_type: str) -> None:
     """Dropout whose masks the RNG discipline (pp_tp/parallel/rng.py) cannot place is refused: on a device whose
-    generator pp_tp does not swap, inside compiled blocks under TP, or next to a TP style not known to hand on a
-    sharded or a replicated activation."""
+    generator pp_tp does not swap, inside compiled blocks under TP, or next to a TP style whose record does not say
+    what it does to a TP-sharded dropout region (`TPStyle.dropout` unset)."""
     rates = active_dropout(model)
     if not rates:
         return
@@ -126,11 +127,12 @@ def check_dropout(model: nn.Module, layout: ModelLayout, pcfg: ParallelConfig, d
         )
     for key, block in model.get_submodule(layout.blocks).named_children():
         for rule, style in block_plan(block, layout).items():
-            if style not in OPENS | CLOSES | NEUTRAL:
+            if TP_STYLES[style].dropout is None:
                 raise ConfigError(
                     f"dropout ({rates[0]}) with parallel.tp = {pcfg.tp}: TP style {style!r} of "
                     f"{layout.blocks}.{key}.{rule} is not known to hand on a sharded or a replicated activation, so "
-                    f"pp_tp cannot tell which dropout masks must differ per TP rank; set parallel.tp = 1 {off}"
+                    f"pp_tp cannot tell which dropout masks must differ per TP rank (its TPStyle record leaves "
+                    f"dropout unset); set parallel.tp = 1 {off}"
                 )
 
 

@@ -10,6 +10,8 @@ swaps that generator's state rather than handing dropout a generator of its own:
   stream is back before the row layer, so every replicated activation draws the same mask on every TP rank.
 - the fork's seed is drawn from the stage's stream, so activation checkpointing's recompute (which restores the
   stream as it was at the block's start) forks alike and redraws the same masks.
+
+Which styles open and close a region is each style's record (`TPStyle.dropout`, parallel/tp_styles.py).
 """
 
 from __future__ import annotations
@@ -20,25 +22,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from pp_tp.parallel.tp_styles import TP_STYLES
 from pp_tp.seeded_init import seed_of
 
 if TYPE_CHECKING:  # annotations only: the stage is built elsewhere
     from pp_tp.stages.stage_module import StageModule
 
 DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
-# TP styles by what they do to the activation they hand on: open a sharded region, close it, or neither.
-OPENS = frozenset({"colwise", "colwise_packed2", "colwise_packed3", "colwise_in_region"})
-CLOSES = frozenset({"rowwise", "rowwise_split_input"})
-NEUTRAL = frozenset(
-    {
-        "colwise_gather_output",
-        "replicate",
-        "replicate_input",
-        "replicate_input_local_heads",
-        "replicated_with_grad_allreduce",
-        "replicated_partial_grad",
-    }
-)
 DEVICES = ("cpu", "cuda")  # the device types whose default generators pp_tp swaps
 
 
@@ -143,8 +133,8 @@ def install_sharded_regions(stage: StageModule, resolved: Mapping[str, str], dev
     for key, block in zip(stage.spec.blocks, stage.block_modules()):
         prefix = f"{stage.layout.blocks}.{key}."
         for fqn, style in resolved.items():
-            if fqn.startswith(prefix) and style in OPENS:
+            if fqn.startswith(prefix) and TP_STYLES[style].dropout == "opens":
                 stage.get_submodule(fqn).register_forward_hook(regions.open)
-            elif fqn.startswith(prefix) and style in CLOSES:
+            elif fqn.startswith(prefix) and TP_STYLES[style].dropout == "closes":
                 stage.get_submodule(fqn).register_forward_pre_hook(regions.close)
         block.register_forward_hook(regions.close)

@@ -18,7 +18,9 @@ from typing import Any
 
 from torch import nn
 
-# HF style -> pp_tp style (pp_tp.parallel.tensor_parallel.STYLES).
+from pp_tp.parallel.tp_styles import TP_STYLES
+
+# HF style -> pp_tp style (a record in pp_tp.parallel.tp_styles.TP_STYLES).
 SUPPORTED = {
     "colwise": "colwise",
     "rowwise": "rowwise",
@@ -28,7 +30,6 @@ SUPPORTED = {
     "replicate": "replicate",
     "mla_kv_a_proj": "replicated_partial_grad",
 }
-_COLUMN = ("colwise", "colwise_gather_output", "colwise_packed2", "colwise_packed3", "colwise_in_region")
 # MLA: modules whole on every rank beside kv_a_proj_with_mqa, and the up-projections reading their outputs.
 _MLA_WHOLE = ("kv_a_layernorm", "q_a_proj", "q_a_layernorm")
 _MLA_UP = ("kv_b_proj", "q_b_proj")
@@ -117,7 +118,10 @@ def block_tp_plan(model: nn.Module, blocks_key: str) -> tuple[dict[str, str], st
             )
         plan[rule[len(prefix) :]] = SUPPORTED[style]
     plan, local_heads = _split_fused(_mla(plan), model.config)
-    parents = {rule.rpartition(".")[0] for rule, style in plan.items() if style in _COLUMN and "." in rule}
+    # Column-parallel layers (weight dim 0 split) read their sub-block's input: that module replicates it.
+    parents = {
+        rule.rpartition(".")[0] for rule, style in plan.items() if TP_STYLES[style].sharded_dim == 0 and "." in rule
+    }
     styles = {p: "replicate_input_local_heads" if p in local_heads else "replicate_input" for p in parents}
     styles.update(dict.fromkeys(by_head, "replicate_input_head_params"))
     return {**dict(sorted(styles.items())), **plan}, None
