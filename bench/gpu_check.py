@@ -142,9 +142,9 @@ def section_trainer(device: str, size: dict, folder: str) -> None:
     assert losses[-1] < losses[0], f"loss did not fall: {losses}"
 
 
-def _models(size: dict, device: str):
-    """The plain reference model (fp32 weights, seeded) and a pipeline of two stages on this rank from the same
-    weights, bf16 mixed precision."""
+def _models(size: dict, device: str) -> tuple[torch.nn.Module, dict[str, object]]:
+    """The plain reference model (fp32 weights, seeded) and pipelines on this rank from the same weights, bf16 mixed
+    precision: two stages x 4 microbatches (the trainer's layout) and one stage x 1 microbatch (the machinery alone)."""
     import pp_tp
     from pp_tp.models.reference.model import ModelArgs, Transformer
 
@@ -156,42 +156,52 @@ def _models(size: dict, device: str):
     plain = Transformer(args)
     plain.init_weights(0)
     state = {k: v.detach().clone() for k, v in plain.state_dict().items()}
-    pcfg = pp_tp.ParallelConfig(
-        pp=1, schedule="Interleaved1F1B", stages_per_rank=2, microbatches=4, mixed_precision="bf16", dp_shard=1
-    )
-    with torch.device("meta"):
-        meta = Transformer(args)
-    pipe = pp_tp.build_pipeline(meta, pp_tp.build_mesh(pcfg), pcfg, state_dict=state)
-    return plain.to(device), pipe
+    pipes = {}
+    for name, schedule, spr, m in (("2 stages x 4 mb", "Interleaved1F1B", 2, 4), ("1 stage x 1 mb", "GPipe", 1, 1)):
+        pcfg = pp_tp.ParallelConfig(
+            pp=1, schedule=schedule, stages_per_rank=spr, microbatches=m, mixed_precision="bf16", dp_shard=1
+        )
+        with torch.device("meta"):
+            meta = Transformer(args)
+        pipes[name] = pp_tp.build_pipeline(meta, pp_tp.build_mesh(pcfg), pcfg, state_dict=state)
+    return plain.to(device), pipes
 
 
 def section_stages_vs_plain(device: str, size: dict, folder: str) -> None:
-    plain, pipe = _models(size, device)
+    plain, pipes = _models(size, device)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, size["vocab_size"], (size["batch"], size["seq"]), generator=gen)
     labels = torch.randint(0, size["vocab_size"], (size["batch"], size["seq"]), generator=gen)
     ids_d, labels_d = ids.to(device), labels.to(device)
 
-    def plain_step() -> float:
+    def plain_step(chunks: int) -> float:
+        """Forward+backward of the whole batch in `chunks` accumulated pieces (the microbatches' granularity)."""
         plain.zero_grad(set_to_none=True)
-        with torch.autocast(device, dtype=torch.bfloat16):
-            logits = plain(ids_d)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels_d.flatten())
-        loss.backward()
-        return float(loss)
+        total = 0.0
+        for piece, target in zip(ids_d.chunk(chunks), labels_d.chunk(chunks)):
+            with torch.autocast(device, dtype=torch.bfloat16):
+                logits = plain(piece)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten()) / chunks
+            loss.backward()
+            total += float(loss.detach())
+        return total
 
-    def pipe_step() -> float:
+    def pipe_step(pipe) -> float:
         for part in pipe.model_parts:
             part.zero_grad(set_to_none=True)
         return float(pipe.step(ids, labels))
 
     reps = 5 if device == "cuda" else 1
-    t_plain, t_pipe = timed(plain_step, device, reps), timed(pipe_step, device, reps)
     tokens = ids.numel()
-    losses = f"plain (autocast bf16) {plain_step():.5f}, pipeline (bf16 mixed precision) {pipe_step():.5f}"
-    say("stages_vs_plain", f"loss {losses}")
-    rates = f"tokens/s plain {tokens / t_plain:,.0f}, pipeline {tokens / t_pipe:,.0f}"
-    say("stages_vs_plain", f"{rates}, pipeline/plain {t_plain / t_pipe:.3f}")
+    t_plain = {c: timed(lambda c=c: plain_step(c), device, reps) for c in (1, 4)}
+    rates = [f"plain {tokens / t_plain[1]:,.0f}", f"plain in 4 accumulated pieces {tokens / t_plain[4]:,.0f}"]
+    losses = [f"plain (autocast bf16) {plain_step(1):.5f}"]
+    for name, pipe in pipes.items():
+        t = timed(lambda p=pipe: pipe_step(p), device, reps)
+        rates.append(f"pipeline {name} {tokens / t:,.0f} ({t_plain[1] / t:.3f} of plain)")
+        losses.append(f"pipeline {name} {pipe_step(pipe):.5f}")
+    say("stages_vs_plain", f"loss {', '.join(losses)}")
+    say("stages_vs_plain", f"tokens/s {'; '.join(rates)}")
 
 
 def section_sdpa(device: str, size: dict, folder: str) -> None:
@@ -247,7 +257,11 @@ def section_float8(device: str, size: dict, folder: str) -> None:
     reps = 10 if device == "cuda" else 1
     t16, t8 = timed(lambda: step(mlp), device, reps), timed(lambda: step(fp8), device, reps)
     errs = f"out err {rel(out8, out16):.2e}, w1 grad err {rel(g8, g16):.2e}"
-    say("float8", f"MLP {dim}x{4 * dim}: {errs}, fwd+bwd bf16/float8 time {t16 / t8:.3f}")
+    say("float8", f"MLP {dim}x{4 * dim}: {errs}, fwd+bwd bf16/float8 time {t16 / t8:.3f} (eager)")
+    if device == "cuda":  # torchao's fast path is compiled (its casts fuse into the matmuls' neighbours)
+        c16, c8 = torch.compile(mlp), torch.compile(fp8)
+        t16, t8 = timed(lambda: step(c16), device, reps), timed(lambda: step(c8), device, reps)
+        say("float8", f"MLP under torch.compile: fwd+bwd bf16/float8 time {t16 / t8:.3f}")
     rows = _train(job_toml(size, folder, float8=True))
     say("float8", f"trainer with parallel.float8: losses {[round(r['loss'], 4) for r in rows]}")
 
@@ -257,17 +271,35 @@ def section_grouped_mm(device: str, size: dict, folder: str) -> None:
 
     n, dim, ffn, tokens = (64, 2048, 1024, 16384) if device == "cuda" else (4, 64, 32, 256)
     torch.manual_seed(4)
-    experts = Experts(n, dim, ffn).to(device, torch.bfloat16)
-    for p in experts.parameters():
-        torch.nn.init.normal_(p, std=0.02)
-    x = torch.randn(tokens, dim, device=device, dtype=torch.bfloat16)
     counts = torch.distributions.Multinomial(tokens, torch.ones(n)).sample().long().tolist()
-    loop, grouped = experts._loop(x, counts), experts._grouped(x, counts)
-    reps = 10 if device == "cuda" else 1
-    t_loop = timed(lambda: experts._loop(x, counts), device, reps)
-    t_grouped = timed(lambda: experts._grouped(x, counts), device, reps)
-    same = f"bit-equal {torch.equal(loop, grouped)}, err {rel(grouped, loop):.2e}"
-    say("grouped_mm", f"{n} experts, {tokens} rows: {same}, loop/grouped time {t_loop / t_grouped:.3f}")
+    for dtype in (torch.bfloat16, torch.float32):
+        experts = Experts(n, dim, ffn).to(device, dtype)
+        for p in experts.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+        x = torch.randn(tokens, dim, device=device, dtype=dtype)
+        up = torch.randn(tokens, dim, device=device, dtype=dtype)
+
+        def run(fn: Callable, e: Experts = experts, x: torch.Tensor = x, up: torch.Tensor = up) -> list[torch.Tensor]:
+            """Output, input gradient and both weight gradients."""
+            e.zero_grad(set_to_none=True)
+            xx = x.detach().requires_grad_()
+            out = fn(xx, counts)
+            out.backward(up)
+            return [out.detach(), xx.grad, e.gate_up_proj.grad, e.down_proj.grad]
+
+        loop, grouped = run(experts._loop), run(experts._grouped)
+        reps = 10 if device == "cuda" else 1
+        t_loop, t_grouped = (
+            timed(lambda e=experts: run(e._loop, e), device, reps),
+            timed(lambda e=experts: run(e._grouped, e), device, reps),
+        )
+        same = [torch.equal(a, b) for a, b in zip(loop, grouped)]
+        errs = ", ".join(f"{rel(b, a):.1e}" for a, b in zip(loop, grouped))
+        say(
+            "grouped_mm",
+            f"{dtype}, {n} experts, {tokens} rows, fwd+bwd: bit-equal (out, dx, dgate_up, ddown) {same}, "
+            f"errors {errs}, loop/grouped time {t_loop / t_grouped:.3f}",
+        )
 
 
 SECTIONS = [section_env, section_trainer, section_stages_vs_plain, section_sdpa, section_float8, section_grouped_mm]
