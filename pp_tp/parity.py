@@ -94,6 +94,8 @@ class ReferenceRun:
         if self.losses:
             raise RuntimeError("the float64 truth must start from the weights before the first step")
         model = copy.deepcopy(self.model).to(torch.float64)
+        if getattr(model, "_can_set_experts_implementation", lambda: False)():
+            model.set_experts_implementation("eager")  # transformers' grouped_mm experts refuse float64
         return ReferenceRun(model, self.make_optimizer, self.max_norm, self.loss)
 
     def step(self, ids: torch.Tensor, labels: torch.Tensor) -> float:
