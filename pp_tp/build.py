@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from pp_tp.config import MoEConfig, ParallelConfig, resolve_parallel
+from pp_tp.config import ParallelConfig, resolve_parallel
 from pp_tp.config.fsdp_policy import FsdpPolicy
 from pp_tp.hf_checkpoint import open_checked
 from pp_tp.materialize import build_local_stages
@@ -18,8 +19,9 @@ from pp_tp.mesh import rank_device
 from pp_tp.parallel.fsdp import grad_factor
 from pp_tp.preflight import Preflight, check_seq_len, preflight
 from pp_tp.runtime.boundary import BoundaryShapes, InferredShapes, meta_skeleton
+from pp_tp.runtime.built import BuildOptions, BuiltStages
 from pp_tp.runtime.loss import SumLoss
-from pp_tp.runtime.pipeline import BuiltStages, Pipeline
+from pp_tp.runtime.pipeline import Pipeline
 from pp_tp.stages.stage_module import StageModule
 from pp_tp.stages.tied import TiedWeights, tied_names
 from pp_tp.verdict import agreed
@@ -44,59 +46,45 @@ def _shapes(
 
 
 def build_pipeline(
-    model: nn.Module,
-    mesh: DeviceMesh,
-    pcfg: ParallelConfig,
-    *,
-    seed: int = 0,
-    state_dict: Mapping[str, torch.Tensor] | None = None,
-    seq_len: int | None = None,
-    checkpoint: str | None = None,
-    source_dir: str | None = None,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | str | None = None,
-    loss_normalizer: str = "elements",
-    rng_seed: int | None = None,
-    moe: MoEConfig | None = None,
+    model: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig, *, options: BuildOptions | None = None, **keywords: Any
 ) -> Pipeline:
     """This rank's share of `model` as pipeline stages with TP and FSDP, and the schedule that runs them.
 
     `model` is the full model on the meta device (values from `seed`, or `state_dict` keyed by FQN) or holding
-    weights (they are used, persistent buffers included). `checkpoint`: an HF model directory whose safetensors fill
-    the stages, each rank reading only its own slices. `source_dir`: the HF directory the model comes from, whose
-    generation_config.json `save_pretrained` keeps (default: `checkpoint`). `loss_fn` (a callable with
-    reduction="sum" or "mse", "l1", "cross_entropy") over the global `loss_normalizer`: runtime/loss.py:SumLoss;
-    `Pipeline.step(inputs, targets)` then takes any tensors, boundaries inferred per input shape. `rng_seed`: the
-    dropout streams' seed (default: `seed`; pp_tp/parallel/rng.py). `moe`: MoE load balancing, the auxiliary loss
-    and the expert-bias update (pp_tp/runtime/balancing.py; default: neither). Every check and the local build run
-    before any collective; then one exchange makes every rank refuse together (the same line) or go on together."""
+    weights (they are used, persistent buffers included). The rest is one `BuildOptions` value (every field and its
+    default is documented there): `options=` whole, or its fields as keywords (`seed=`, `state_dict=`, `seq_len=`,
+    `checkpoint=`, `source_dir=`, `loss_fn=`, `loss_normalizer=`, `rng_seed=`, `moe=`), keywords replacing the
+    fields of `options` when both are given. With `loss_fn`, `Pipeline.step(inputs, targets)` takes any tensors,
+    boundaries inferred per input shape. Every check and the local build run before any collective; then one
+    exchange makes every rank refuse together (the same line) or go on together."""
+    opts = BuildOptions.of(options, keywords)
     pp_rank, device = mesh.get_local_rank("pp"), rank_device(mesh)
     tied = tied_names(model)  # before the stages are materialized, which unties the shared modules
-    skeleton = meta_skeleton(model) if loss_fn is not None else None  # boundary shapes are inferred on it
+    skeleton = meta_skeleton(model) if opts.loss_fn is not None else None  # boundary shapes are inferred on it
     casts: Counter = Counter()
 
     def local_build() -> tuple[ParallelConfig, FsdpPolicy, Preflight, list[StageModule], SumLoss | None]:
         """Every check and this rank's stages, with no communication; ranks agree on the outcome below."""
-        checked = preflight(model, resolve_parallel(pcfg, dist.get_world_size()), mesh.device_type, seq_len,
-                            custom_loss=loss_fn is not None, moe=moe)  # fmt: skip
+        checked = preflight(model, resolve_parallel(pcfg, dist.get_world_size()), mesh.device_type, opts.seq_len,
+                            custom_loss=opts.loss_fn is not None, moe=opts.moe)  # fmt: skip
         resolved, fsdp = checked.parallel, FsdpPolicy.for_rank(checked.parallel, pp_rank)
-        loss = SumLoss(loss_fn, loss_normalizer) if loss_fn is not None else None
-        source = open_checked(checkpoint, model) if checkpoint else None
+        loss = SumLoss(opts.loss_fn, opts.loss_normalizer) if opts.loss_fn is not None else None
+        source = open_checked(opts.checkpoint, model) if opts.checkpoint else None
         stages = build_local_stages(
-            model, checked.layout, checked.plan, pp_rank, mesh, resolved, fsdp, device, seed, state_dict, source, casts
-        )
+            model, checked.layout, checked.plan, pp_rank, mesh, resolved, fsdp, device, opts.seed, opts.state_dict,
+            source, casts,
+        )  # fmt: skip
         return resolved, fsdp, checked, stages, loss
 
     pcfg, fsdp, checked, stages, loss = agreed(local_build)  # one verdict: every rank refuses together, or none does
     plan = checked.plan
     built = BuiltStages(
         stages, plan, mesh, pcfg, fsdp, device, _shapes(checked, pcfg, skeleton), grad_factor(pcfg),
+        options=opts,
         loss=loss,
         tp_loss_mesh=mesh["tp"] if pcfg.loss_parallel and pcfg.tp > 1 else None,
         tied=TiedWeights(tied, plan, mesh) if tied else None,
         hf_config=getattr(model, "config", None),
-        source_dir=source_dir if source_dir is not None else checkpoint,
         checkpoint_casts=casts,
-        rng_seed=seed if rng_seed is None else rng_seed,
-        moe=moe or MoEConfig(),
     )  # fmt: skip
     return Pipeline(built)

@@ -9,21 +9,16 @@ every rank must see the same shape, as they do when the data loader feeds equal 
 from __future__ import annotations
 
 import contextlib
-from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import RESHARD, UNSHARD
 
 from pp_tp._torch import Action, PipelineScheduleRuntime, load_csv_schedule
-from pp_tp.config import MoEConfig, ParallelConfig
-from pp_tp.config.fsdp_policy import FsdpPolicy
 from pp_tp.errors import ConfigError
 from pp_tp.hf_checkpoint import save_pretrained
 from pp_tp.layout import check_document_mask
@@ -31,15 +26,12 @@ from pp_tp.mesh import dp_rank
 from pp_tp.parallel.rng import StageStream
 from pp_tp.parallel.tensor_parallel import reduce_partial_grads
 from pp_tp.runtime.balancing import AuxLoss, ExpertBiases
-from pp_tp.runtime.boundary import BoundaryShapes, InferredShapes
+from pp_tp.runtime.built import BuiltStages
 from pp_tp.runtime.evaluate import forward_only, grad_state
 from pp_tp.runtime.grad_reduce import ReducingStage
-from pp_tp.runtime.loss import SumLoss, TokenSumLoss, count_targets, count_tokens
+from pp_tp.runtime.loss import TokenSumLoss, count_targets, count_tokens
 from pp_tp.runtime.routing_stats import RoutingStats
 from pp_tp.schedules.registry import get_schedule_spec, is_csv_schedule
-from pp_tp.split.plan import StagePlan
-from pp_tp.stages.stage_module import StageModule
-from pp_tp.stages.tied import TiedWeights
 
 
 def _gather_params_once(schedule: PipelineScheduleRuntime) -> None:
@@ -64,57 +56,21 @@ def _gather_params_once(schedule: PipelineScheduleRuntime) -> None:
         order[rank] = [Action(s, UNSHARD, None) for s in local] + body + [Action(s, RESHARD, None) for s in local]
 
 
-@dataclass(frozen=True)
-class BuiltStages:
-    """Everything `build_pipeline` made for one rank, handed to `Pipeline` whole.
-
-    `fsdp`: this pp rank's FSDP policy; `shapes(microbatch shape, dtype)`: the boundary tensors for a microbatch of
-    inputs (checked against the model); `loss`: the caller's summed loss (None: token cross-entropy);
-    `grad_factor`: what FSDP divides gradients by, undone in the loss; `tied`: tied weights held by several
-    stages; `hf_config` and `source_dir`: config.json and the directory whose generation_config.json
-    `save_pretrained` writes; `checkpoint_casts`: dtype conversions made while loading an HF checkpoint (for the
-    log); `rng_seed`: the seed of the stages' dropout streams; `moe`: MoE load balancing (runtime/balancing.py)."""
-
-    stages: list[StageModule]
-    plan: StagePlan
-    mesh: DeviceMesh
-    pcfg: ParallelConfig
-    fsdp: FsdpPolicy
-    device: torch.device
-    shapes: Callable[[tuple[int, ...], torch.dtype], BoundaryShapes | InferredShapes]
-    grad_factor: int
-    loss: SumLoss | None = None
-    tp_loss_mesh: DeviceMesh | None = None
-    tied: TiedWeights | None = None
-    hf_config: Any = None
-    source_dir: str | None = None
-    checkpoint_casts: Counter = field(default_factory=Counter)
-    rng_seed: int = 0
-    moe: MoEConfig = field(default_factory=MoEConfig)
-
-
 class Pipeline:
-    """Runs one training step of the pipelined model; see docs/design.md for the contract."""
+    """Runs one training step of the pipelined model; see docs/design.md for the contract.
+
+    It keeps `_built` (what build_pipeline made for this rank) and `options` (what the caller asked for) whole and
+    reads them where they are used; `__init__` sets only what is derived from them or changes as the run goes."""
 
     def __init__(self, built: BuiltStages):
+        self._built, self.options = built, built.options
         self.model_parts: list[nn.Module] = list(built.stages)
-        self.plan = built.plan
-        self.mesh = built.mesh
-        self.pcfg = built.pcfg
-        self._fsdp = built.fsdp
-        self.device = built.device
         self.stage_indices = [s.spec.index for s in built.stages]
         self.has_first_stage = any(s.is_first for s in built.stages)
         self.has_last_stage = any(s.is_last for s in built.stages)
-        self.hf_config = built.hf_config
-        self.source_dir = built.source_dir
-        self.checkpoint_casts = built.checkpoint_casts
-        self._shapes_fn = built.shapes
-        self._grad_factor = built.grad_factor
-        self._tied = built.tied
         # Dropout draws from one stream per (seed, stage, dp rank) (parallel/rng.py); checkpoints keep their states.
         self.rng_streams = [
-            StageStream(s, built.rng_seed, s.spec.index, dp_rank(built.mesh), built.mesh.device_type)
+            StageStream(s, built.options.dropout_seed, s.spec.index, dp_rank(built.mesh), built.mesh.device_type)
             for s in built.stages
         ]
         self._targets = built.loss is not None  # step(inputs, targets) with the caller's loss
@@ -123,26 +79,40 @@ class Pipeline:
         self._dp_groups = [built.mesh.get_group(d) for d in ("dp_replicate", "dp_shard") if built.mesh[d].size() > 1]
         self._shape_key: tuple | None = None
         self.schedule = None
-        layout = built.stages[0].layout if built.stages else None
-        self._routing = RoutingStats(built.stages, layout, built.mesh) if layout is not None else None
-        self._moe = built.moe
-        self._has_moe = layout is not None and bool(layout.experts)
-        # d(step aux loss)/d(aux_l) per microbatch: coef / (microbatches * dp), times what FSDP's DP mean takes away.
-        self._aux_mean = built.moe.aux_loss_coef / (built.pcfg.microbatches * built.pcfg.dp)
-        aux = self._has_moe and built.moe.aux_loss_coef > 0
-        self._aux = AuxLoss(built.stages, layout, self._aux_mean * built.grad_factor, built.device) if aux else None
-        self._biases = ExpertBiases(built.stages, layout) if self._has_moe and built.moe.bias_update_rate else None
+        self._init_moe(built)
         # After each step of an MoE model: {"aux_loss": the step's auxiliary loss (global, 0.0 without one),
         # "tokens_per_expert": {MoE layer FQN: int64 [E]}} over the step and all DP ranks, for the MoE layers this
         # rank holds; empty for a dense model.
         self.moe_stats: dict[str, Any] = {}
 
+    def _init_moe(self, built: BuiltStages) -> None:
+        """Routing counts, the auxiliary loss and the expert biases, where the stages hold MoE layers."""
+        layout = built.stages[0].layout if built.stages else None
+        self._routing = RoutingStats(built.stages, layout, built.mesh) if layout is not None else None
+        self._has_moe = layout is not None and bool(layout.experts)
+        moe = built.options.balancing
+        # d(step aux loss)/d(aux_l) per microbatch: coef / (microbatches * dp), times what FSDP's DP mean takes away.
+        self._aux_mean = moe.aux_loss_coef / (built.pcfg.microbatches * built.pcfg.dp)
+        aux = self._has_moe and moe.aux_loss_coef > 0
+        self._aux = AuxLoss(built.stages, layout, self._aux_mean * built.grad_factor, built.device) if aux else None
+        self._biases = ExpertBiases(built.stages, layout) if self._has_moe and moe.bias_update_rate else None
+
+    # The contract's attributes (docs/design.md), read through from what the pipeline keeps whole: never copies.
+    plan = property(attrgetter("_built.plan"), doc="StagePlan: which FQNs each stage owns, which pp rank runs it.")
+    mesh = property(attrgetter("_built.mesh"), doc="DeviceMesh: the 4-D mesh the pipeline runs on.")
+    pcfg = property(attrgetter("_built.pcfg"), doc="ParallelConfig as resolved for this world (dp_shard, stages).")
+    device = property(attrgetter("_built.device"), doc="torch.device: this rank's device.")
+    hf_config = property(attrgetter("_built.hf_config"), doc="The model's HF config (else None): its config.json.")
+    source_dir = property(attrgetter("options.hf_source_dir"), doc="The HF dir whose generation_config.json stays.")
+    checkpoint_casts = property(attrgetter("_built.checkpoint_casts"), doc="Counter: dtype casts of an HF load.")
+
     def _build_schedule(self, microbatch: tuple[int, ...], dtype: torch.dtype) -> None:
-        shapes = self._shapes_fn(microbatch, dtype)
+        shapes = self._built.shapes(microbatch, dtype)
         num_stages = self.pcfg.num_stages
         pstages = []
         m = self.pcfg.microbatches
-        reducing = {} if self._fsdp.grad_reduce_every is None else dict(policy=self._fsdp, microbatches=m)
+        fsdp = self._built.fsdp
+        reducing = {} if fsdp.grad_reduce_every is None else dict(policy=fsdp, microbatches=m)
         for stage in self.model_parts:
             inp, out = shapes.stage_io(stage)
             pstages.append(
@@ -166,7 +136,7 @@ class Pipeline:
             schedule = spec.cls(
                 pstages if spec.multi_stage else pstages[0], n_microbatches=m, loss_fn=self._loss, scale_grads=False
             )
-        if isinstance(schedule, PipelineScheduleRuntime) and self._fsdp.keeps_params_gathered:
+        if isinstance(schedule, PipelineScheduleRuntime) and fsdp.keeps_params_gathered:
             _gather_params_once(schedule)
         self.schedule = schedule
         self._shape_key = (microbatch, dtype)
@@ -247,7 +217,7 @@ class Pipeline:
         `document_block_inputs`."""
         kwargs = self._position_kwargs("Pipeline.step", inputs, position_ids)
         inputs, targets, n = self.prepare_batch("Pipeline.step", inputs, targets)
-        self._loss.scale = self._grad_factor / max(n, 1)
+        self._loss.scale = self._built.grad_factor / max(n, 1)
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first_stage else ()
         target = targets if self.has_last_stage else None
@@ -263,11 +233,11 @@ class Pipeline:
         if self._has_moe:
             self.moe_stats = {"aux_loss": 0.0, "tokens_per_expert": self._routing.collect()}
         reduce_partial_grads(self.model_parts)  # once per step, after the last microbatch
-        if self._tied is not None:
-            self._tied.sync(self.model_parts)
+        if self._built.tied is not None:
+            self._built.tied.sync(self.model_parts)
         if self._aux is None:
-            return self.global_loss(losses, self._grad_factor)
-        loss, aux = self.global_loss(losses, self._grad_factor, self._aux.total)
+            return self.global_loss(losses, self._built.grad_factor)
+        loss, aux = self.global_loss(losses, self._built.grad_factor, self._aux.total)
         self.moe_stats["aux_loss"] = float(aux) * self._aux_mean
         return loss
 
@@ -275,7 +245,7 @@ class Pipeline:
         """Moves every local MoE layer's expert bias by moe.bias_update_rate * sign(mean_e(c) - c_e), c = the last
         step's tokens per expert (global); call it after `optimizer.step()`. No communication; a no-op at rate 0."""
         if self._biases is not None:
-            self._biases.update(self.moe_stats["tokens_per_expert"], self._moe.bias_update_rate)
+            self._biases.update(self.moe_stats["tokens_per_expert"], self.options.balancing.bias_update_rate)
 
     def save_pretrained(self, path: str, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None) -> None:
         """Writes the whole model to `path` in HF format (a collective; each pp rank writes its stages' files)."""
