@@ -71,9 +71,14 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / (b.double().norm() + 1e-30))
 
 
+# The plain computation a pipeline must equal, for a batch (ids, labels, *extra): e.g. each packed document alone.
+LossOf = Callable[..., torch.Tensor]
+
+
 class ReferenceRun:
-    """The model in one process: each step zero_grad, mean token loss (or `loss`'s sum over its normalizer) on the
-    whole batch, backward, clip (with `max_norm`, torch's clip_grad_norm_), optimizer step."""
+    """The model in one process: each step zero_grad, mean token loss (or `loss`'s sum over its normalizer, or
+    `loss_of(model, ids, labels, *extra)`) on the whole batch, backward, clip (with `max_norm`, torch's
+    clip_grad_norm_), optimizer step."""
 
     def __init__(
         self,
@@ -81,8 +86,9 @@ class ReferenceRun:
         make_optimizer: MakeOptimizer,
         max_norm: float | None = None,
         loss: SumLoss | None = None,
+        loss_of: LossOf | None = None,
     ):
-        self.model, self.max_norm, self.loss = model, max_norm, loss
+        self.model, self.max_norm, self.loss, self.loss_of = model, max_norm, loss, loss_of
         self.make_optimizer = make_optimizer
         self.optimizer = make_optimizer(list(model.parameters()))
         self.losses: list[float] = []
@@ -94,15 +100,19 @@ class ReferenceRun:
         if self.losses:
             raise RuntimeError("the float64 truth must start from the weights before the first step")
         model = copy.deepcopy(self.model).to(torch.float64)
-        if getattr(model, "_can_set_experts_implementation", lambda: False)():
+        if hasattr(model, "set_experts_implementation"):  # a transformers model (a no-op for one without experts)
             model.set_experts_implementation("eager")  # transformers' grouped_mm experts refuse float64
-        return ReferenceRun(model, self.make_optimizer, self.max_norm, self.loss)
+        return ReferenceRun(model, self.make_optimizer, self.max_norm, self.loss, self.loss_of)
 
-    def step(self, ids: torch.Tensor, labels: torch.Tensor) -> float:
+    def step(self, ids: torch.Tensor, labels: torch.Tensor, *extra: torch.Tensor) -> float:
         self.optimizer.zero_grad()
         param = next(self.model.parameters())
-        ids, labels = (t.to(param.device, param.dtype if t.is_floating_point() else t.dtype) for t in (ids, labels))
-        if self.loss is None:
+        ids, labels, *extra = (
+            t.to(param.device, param.dtype if t.is_floating_point() else t.dtype) for t in (ids, labels, *extra)
+        )
+        if self.loss_of is not None:
+            loss = self.loss_of(self.model, ids, labels, *extra)
+        elif self.loss is None:
             loss = mean_token_loss(self.model, ids, labels)
         else:
             loss = self.loss.fn(self.model(ids), labels) / target_count(labels, self.loss.normalizer)
@@ -147,9 +157,10 @@ class PipelineRun:
         """The error floor of this build's compute dtype (bf16 under mixed precision, else fp32)."""
         return floor_for(torch.bfloat16 if self.pipe.pcfg.mixed_precision == "bf16" else torch.float32)
 
-    def step(self, ids: torch.Tensor, labels: torch.Tensor) -> float:
+    def step(self, ids: torch.Tensor, labels: torch.Tensor, *extra: torch.Tensor) -> float:
+        """`extra`: more per-row inputs `Pipeline.step` takes (position ids of packed documents)."""
         self.optimizer.zero_grad()
-        loss = float(self.pipe.step(dp_share(self.pipe.mesh, ids), dp_share(self.pipe.mesh, labels)))
+        loss = float(self.pipe.step(*(dp_share(self.pipe.mesh, t) for t in (ids, labels, *extra))))
         if self.max_norm is not None:
             self.norms.append(float(clip_grad_norm_(self.pipe.model_parts, self.max_norm, self.pipe.mesh)))
         self.optimizer.step()
@@ -291,20 +302,18 @@ def _judge_step(
     return out
 
 
-def lockstep(
-    run: PipelineRun, ref: ReferenceRun, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]
-) -> Iterator[StepDiff]:
+def lockstep(run: PipelineRun, ref: ReferenceRun, batches: Iterable[tuple[torch.Tensor, ...]]) -> Iterator[StepDiff]:
     """Steps the pipeline, the plain fp32 build and its float64 copy (made here, before the first step) on each
-    global batch and judges them after each step."""
+    global batch (ids, labels, *extra) and judges them after each step."""
     truth, redo = ref.in_float64(), StepInFloat64(run)
     loaded = judge(run.params(), None, ref.params(), run.keys, run.floor)  # the pipeline holds the model's weights
-    for i, (ids, labels) in enumerate(batches):
+    for i, batch in enumerate(batches):
         before = {k: p.to(torch.float64, copy=True) for k, p in run.params().items()}
         if i:  # from the pipeline's parameters (module docstring: fp32 trajectories part at random)
             state = _whole_model(run, before)
             ref.load(state)
             truth.load(state)
-        want, got, true = ref.step(ids, labels), run.step(ids, labels), truth.step(ids, labels)
+        want, got, true = ref.step(*batch), run.step(*batch), truth.step(*batch)
         update = redo.take(before, run.grads())
         judged = _judge_step(run, ref, truth, update)
         if not i:
