@@ -18,6 +18,7 @@ from pp_tp.config import (
     resolve_parallel,
     validate,
 )
+from pp_tp.config.fields import toml_key
 from pp_tp.errors import ConfigError
 from pp_tp.layout import ModelDims
 from pp_tp.preflight import check_model_shape
@@ -341,7 +342,7 @@ def test_bad_csv_schedule(base, tmp_path):
 
 
 ALL_KEYS = [
-    (section.name, f.name)
+    (section.name, toml_key(f.name))  # a field escaping a Python keyword (`async_`) is its TOML key (`async`)
     for section in dataclasses.fields(JobConfig)
     for f in dataclasses.fields(section.default_factory)
 ]

@@ -59,7 +59,9 @@ def test_a_dead_rank_is_named_by_the_survivors(tmp_path):
 
 
 def test_torchrun_max_restarts_resumes_from_the_last_checkpoint_with_the_same_losses(tmp_path, world):
-    d = job(parallel={"pp": 2, "tp": 1}, training={"steps": 5}, checkpoint={"interval": 2})
+    # sync saves: step 2's is complete when step 3 starts (an async one may still be writing when the kill comes;
+    # tests/test_checkpoint_async.py kills inside a background write)
+    d = job(parallel={"pp": 2, "tp": 1}, training={"steps": 5}, checkpoint={"interval": 2, "async": False})
     baseline = world(2).run(train_case, d)[0]
     assert [b["step"] for b in baseline] == [1, 2, 3, 4, 5]
     d["checkpoint"].update(enable=True, folder=str(tmp_path / "ckpt"))

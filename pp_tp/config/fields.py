@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import functools
 import json
+import keyword
 import types
 import typing
 from collections.abc import Callable, Iterable
@@ -22,7 +23,9 @@ _TOML_TYPE_NAMES = {bool: "boolean", int: "integer", float: "float", str: "strin
 def checked(section: str, obj: Section) -> Section:
     """A copy of one section with every field type-checked (int widened to float), bounded and in its set."""
     types_ = hints(type(obj))
-    values = {f.name: _typed(f"{section}.{f.name}", getattr(obj, f.name), types_[f.name]) for f in fields(obj)}
+    values = {
+        f.name: _typed(f"{section}.{toml_key(f.name)}", getattr(obj, f.name), types_[f.name]) for f in fields(obj)
+    }
     for key, low, inclusive in BOUNDS.get(section, ()):
         _check_bound(f"{section}.{key}", values[key], low, inclusive)
     for key, choices in CHOICES.get(section, {}).items():
@@ -32,6 +35,11 @@ def checked(section: str, obj: Section) -> Section:
                 f"{did_you_mean(values[key], choices, repr)}; set {section}.{key} to one of them"
             )
     return type(obj)(**values)
+
+
+def toml_key(name: str) -> str:
+    """A field's TOML key: a trailing underscore escapes a Python keyword (the field `async_` is TOML `async`)."""
+    return name[:-1] if name.endswith("_") and keyword.iskeyword(name[:-1]) else name
 
 
 @functools.cache

@@ -7,7 +7,7 @@ import sys
 from dataclasses import fields
 from typing import Any
 
-from pp_tp.config.fields import Section, did_you_mean, hints, toml_value
+from pp_tp.config.fields import Section, did_you_mean, hints, toml_key, toml_value
 from pp_tp.config.schema import JobConfig
 from pp_tp.config.validate import validate
 from pp_tp.errors import ConfigError
@@ -41,8 +41,8 @@ def config_from_dict(d: dict[str, Any], world_size: int | None = None) -> JobCon
 
 
 def config_to_dict(cfg: JobConfig) -> dict[str, dict[str, Any]]:
-    """Plain nested dicts, one per TOML section (None stands for an unset optional key)."""
-    return dataclasses.asdict(cfg)
+    """Plain nested dicts, one per TOML section, keyed as in TOML (None stands for an unset optional key)."""
+    return {name: {toml_key(k): v for k, v in table.items()} for name, table in dataclasses.asdict(cfg).items()}
 
 
 def format_config(cfg: JobConfig) -> str:
@@ -87,11 +87,11 @@ def _table(d: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def _section(name: str, cls: type[Section], table: dict[str, Any]) -> Section:
-    known = [f.name for f in fields(cls)]
+    known = {toml_key(f.name): f.name for f in fields(cls)}
     for key in table:
         if key not in known:
             raise ConfigError(
                 f"unknown key {name}.{key}{did_you_mean(key, known, (name + '.{}').format)}; "
                 f"[{name}] takes {', '.join(known)}"
             )
-    return cls(**table)
+    return cls(**{known[key]: value for key, value in table.items()})

@@ -169,12 +169,26 @@ class ValidationConfig:
     split: float = 0.0
 
 
+def async_save_allowed() -> bool:
+    """Whether DCP's async_save can run here: it needs a process group with a CPU backend for its background
+    collectives, which pp_tp makes with gloo (pp_tp.train.checkpoint), so torch must be built with gloo (every
+    Linux and macOS wheel, CPU or CUDA, is)."""
+    import torch.distributed as dist  # here: the config package imports no torch at module level
+
+    return dist.is_available() and dist.is_gloo_available()
+
+
 @dataclass
 class CheckpointConfig:
+    """`[checkpoint]`: DCP checkpoints in `folder` every `interval` steps and at the end, the last `keep` kept.
+    `async` (the field `async_`, `async` being a Python keyword; TOML and overrides say `async`): a save copies the
+    state and writes it in the background (pp_tp.train.checkpoint); default on where `async_save_allowed`."""
+
     enable: bool = False
     folder: str = "checkpoints"
     interval: int = 0
     keep: int = 2
+    async_: bool = field(default_factory=async_save_allowed)
 
 
 @dataclass

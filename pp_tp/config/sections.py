@@ -1,6 +1,6 @@
-"""Cross-key checks of the `[data]` and `[validation]` sections, the `[model]` experts keys and the jobs of models
-that are not language models (kept apart from validate.py, which is near its size limit). What needs the files
-themselves (globs matching nothing, sizes, token ids, columns) is checked when the source opens
+"""Cross-key checks of the `[data]`, `[validation]` and `[checkpoint]` sections, the `[model]` experts keys and the
+jobs of models that are not language models (kept apart from validate.py, which is near its size limit). What needs
+the files themselves (globs matching nothing, sizes, token ids, columns) is checked when the source opens
 (`pp_tp.train.sources.make_source`, run by `pp-tp check` and by every rank before any collective)."""
 
 from __future__ import annotations
@@ -11,12 +11,14 @@ from pp_tp.config.fields import checked
 from pp_tp.config.schema import (
     CHOICES,
     NON_LM_DATA,
+    CheckpointConfig,
     DataConfig,
     JobConfig,
     ModelConfig,
     ModelShape,
     MoEConfig,
     ValidationConfig,
+    async_save_allowed,
 )
 from pp_tp.errors import ConfigError
 
@@ -40,6 +42,17 @@ def check_validation(v: ValidationConfig, data: DataConfig) -> ValidationConfig:
             'set data.source = "text" or give validation.path'
         )
     return v
+
+
+def check_checkpoint(c: CheckpointConfig) -> CheckpointConfig:
+    """`[checkpoint]`'s keys; `async = true` only where DCP's async_save can run (its default there)."""
+    c = checked("checkpoint", c)
+    if c.async_ and not async_save_allowed():
+        raise ConfigError(
+            "checkpoint.async = true writes through DCP's async_save, whose background collectives need the gloo "
+            "backend, and this torch build has none; set checkpoint.async = false"
+        )
+    return c
 
 
 def check_moe(m: ModelShape) -> None:

@@ -8,7 +8,14 @@ import os
 from pp_tp.config.fields import checked
 from pp_tp.config.fsdp_policy import check_policy_keys, schedule_reshard
 from pp_tp.config.schema import SPLIT_ARGS, JobConfig, ParallelConfig, TrainingConfig
-from pp_tp.config.sections import check_balancing_keys, check_data, check_moe, check_non_lm_job, check_validation
+from pp_tp.config.sections import (
+    check_balancing_keys,
+    check_checkpoint,
+    check_data,
+    check_moe,
+    check_non_lm_job,
+    check_validation,
+)
 from pp_tp.errors import ConfigError
 from pp_tp.schedules.registry import check_schedule, default_stages_per_rank
 
@@ -30,7 +37,7 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> JobConfig:
         parallel=parallel,
         training=_check_training(cfg.training, parallel),
         data=check_data(checked("data", cfg.data)),
-        checkpoint=checked("checkpoint", cfg.checkpoint),
+        checkpoint=check_checkpoint(cfg.checkpoint),
         validation=check_validation(checked("validation", cfg.validation), cfg.data),
         moe=check_balancing_keys(cfg.moe),
     )

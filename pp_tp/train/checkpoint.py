@@ -6,8 +6,15 @@ Model and optimizer entries are keyed by the full model's FQNs (torch's `get_mod
 load, so a checkpoint written at one layout (pp2 x tp2) loads at another (pp4, pp1 x tp2, pp1).
 
 A checkpoint is written into `.step-K.tmp` and renamed to `step-K` only once every rank's shard and DCP's
-metadata are on disk: a crash mid-save leaves the last good checkpoint untouched. Every rank writes into
-`checkpoint.folder`, so on several nodes it must be a shared file system.
+metadata are on disk: the rename is the completion marker, and `latest_checkpoint` sees only renamed ones, so a
+crash mid-save leaves the last complete checkpoint untouched. Every rank writes into `checkpoint.folder`, so on
+several nodes it must be a shared file system.
+
+`checkpoint.async` (the default where DCP's async_save can run: torch built with gloo, see
+`config.schema.async_save_allowed`): `save` copies the state (DCP's staging, one more copy of the rank's state in
+host memory while the write runs) and returns; DCP writes it in a background thread whose collectives run on a
+gloo group of their own, and rank 0 renames it once DCP's metadata is written (after every rank's shard). The next
+save, the final one and `close` wait for it first.
 """
 
 from __future__ import annotations
@@ -16,7 +23,9 @@ import io
 import os
 import re
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -36,6 +45,7 @@ from pp_tp.parallel.rng import StageStream
 from pp_tp.train.prefetch import Prefetcher
 
 _FINAL = re.compile(r"^step-(\d+)$")
+_TMP = re.compile(r"^\.step-(\d+)\.tmp$")
 _OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -102,6 +112,35 @@ def _per_group(state: dict, groups: int) -> dict:
     return {k: v[:1] * groups if k in _PER_GROUP else v for k, v in state.items()}
 
 
+_SAVE_GROUP: list = [None, None]  # (the default group it was made under, the background saves' gloo group)
+
+
+def _save_group(timeout_s: float) -> dist.ProcessGroup:
+    """The gloo group of the background writes: DCP's async_save gathers plans and results from a thread, and on a
+    group of its own those collectives never interleave with the training's (one per process: every rank makes it,
+    a collective, at its first async Checkpointer, so long-lived worlds do not pile up groups)."""
+    if _SAVE_GROUP[0] is not dist.group.WORLD:
+        _SAVE_GROUP[:] = [dist.group.WORLD, dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))]
+    return _SAVE_GROUP[1]
+
+
+def _then(written: Future, publish: Callable[[], None]) -> Future:
+    """A future done once `written` is and `publish` ran after it (in the writer's thread): a done-callback alone
+    runs after `result()` waiters wake, which could then see the checkpoint not yet renamed."""
+    done: Future = Future()
+
+    def finish(f: Future) -> None:
+        try:
+            f.result()
+            publish()
+            done.set_result(None)
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+            done.set_exception(e)
+
+    written.add_done_callback(finish)
+    return done
+
+
 class Checkpointer:
     """Saves every `checkpoint.interval` steps and at the end; resumes from the newest complete checkpoint."""
 
@@ -113,10 +152,13 @@ class Checkpointer:
         schedulers: list[torch.optim.lr_scheduler.LRScheduler],
         loader: Prefetcher,
         rng_streams: Sequence[StageStream] = (),
+        comm_timeout_s: float = 300.0,
     ):
         self.cfg = ccfg
         self.parts, self.optimizers, self.schedulers, self.loader = model_parts, optimizers, schedulers, loader
         self.rng_streams = rng_streams  # the pipeline's dropout streams (Pipeline.rng_streams)
+        self.group = _save_group(comm_timeout_s) if ccfg.enable and ccfg.async_ else None
+        self.pending: Future | None = None  # the background save in flight
 
     def _state(self, step: int) -> dict:
         model: dict = {}
@@ -155,28 +197,60 @@ class Checkpointer:
         return int(state["step"])
 
     def save(self, step: int) -> str:
-        """Writes step `step` atomically and drops the oldest checkpoints beyond `checkpoint.keep`."""
+        """Writes step `step` as `.step-K.tmp`, renamed to `step-K` once complete, and drops the oldest checkpoints
+        beyond `checkpoint.keep`. With checkpoint.async it returns once the state is copied (the previous save
+        finished first); the write and the rename go on in the background."""
+        self.wait()
         final = os.path.join(self.cfg.folder, f"step-{step}")
         tmp = os.path.join(self.cfg.folder, f".step-{step}.tmp")
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a crashed save of the same step
             os.makedirs(tmp)
         dist.barrier()
-        dcp.save(_stored(self._state(step)), checkpoint_id=tmp)  # returns on every rank once the metadata is written
+        state = _stored(self._state(step))
+        if self.group is None:
+            dcp.save(state, checkpoint_id=tmp)  # returns on every rank once the metadata is written
+            self._publish(tmp, final)
+            dist.barrier()
+        else:
+            written = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group)
+            self.pending = _then(written, lambda: self._publish(tmp, final))
+        return final
+
+    def wait(self) -> None:
+        """Until the background save in flight (if any) is complete and renamed, on every rank; raises its error."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()
+            dist.barrier()  # rank 0 renamed it before any rank goes on
+
+    def close(self) -> None:
+        """On the way out after an error: lets the save in flight end (completed, or failed with a dead peer: never
+        renamed, so no checkpoint), without the barrier, which the peers may not reach."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.exception()
+
+    def maybe_save(self, step: int, last: bool) -> None:
+        """Saves when due; the final save of a run is complete when this returns."""
+        if self.cfg.enable and (last or (self.cfg.interval and step % self.cfg.interval == 0)):
+            self.save(step)
+            if last:
+                self.wait()
+
+    def _publish(self, tmp: str, final: str) -> None:
+        """Rank 0 marks a written checkpoint complete (the rename) and prunes; on the writer's thread when async."""
         if dist.get_rank() == 0:
             shutil.rmtree(final, ignore_errors=True)
             os.rename(tmp, final)
             self._prune()
-        dist.barrier()
-        return final
-
-    def maybe_save(self, step: int, last: bool) -> None:
-        if self.cfg.enable and (last or (self.cfg.interval and step % self.cfg.interval == 0)):
-            self.save(step)
 
     def _prune(self) -> None:
-        if self.cfg.keep <= 0:
-            return
-        steps = sorted(int(m.group(1)) for name in os.listdir(self.cfg.folder) if (m := _FINAL.match(name)))
-        for old in steps[: -self.cfg.keep]:
-            shutil.rmtree(os.path.join(self.cfg.folder, f"step-{old}"), ignore_errors=True)
+        """Drops the checkpoints beyond `checkpoint.keep` and the leftovers of crashed saves of earlier steps (a save
+        starts only after the previous one ended, so an older temporary directory is no save in flight)."""
+        names = os.listdir(self.cfg.folder)
+        steps = sorted(int(m.group(1)) for name in names if (m := _FINAL.match(name)))
+        dropped = [f"step-{old}" for old in steps[: -self.cfg.keep]] if self.cfg.keep > 0 else []
+        dropped += [name for name in names if (m := _TMP.match(name)) and int(m.group(1)) < steps[-1]]
+        for name in dropped:
+            shutil.rmtree(os.path.join(self.cfg.folder, name), ignore_errors=True)

@@ -46,7 +46,8 @@ class DocumentData:
 
 
 def expand(pattern: str, key: str) -> list[str]:
-    """A path or glob's files, sorted (a directory stands for itself); one line when nothing matches."""
+    """A path or glob's files, sorted (a directory stands for itself: a folder or saved dataset, `dataset_files`);
+    one line when nothing matches."""
     if os.path.isdir(pattern):
         return [pattern]
     files = sorted(f for f in glob.glob(pattern) if os.path.isfile(f))
@@ -83,9 +84,9 @@ def make_source(cfg: JobConfig) -> WindowData | DocumentData:
         weights = d.weights or ([float(c.num_samples) for c in comps] if len(comps) > 1 else None)
         return WindowData(comps, weights, d.eos_id if d.document_mask else None, cfg)
     if d.source == "dataset":
-        files = [f for p, key in _patterns(cfg) for f in expand(p, key)]
+        entries = [(key, p, expand(p, key)) for p, key in _patterns(cfg)]
         what = f"data.path = {d.path!r}" if d.path else f"data.paths = {d.paths}"
-        docs = DatasetDocuments(files, d.text_field, d.tokenizer, vocab, what)
+        docs = DatasetDocuments(entries, d.text_field, d.tokenizer, vocab, what)
         _document_eos(docs.eos, cfg)
         return DocumentData(docs, cfg)
     if vocab < VOCAB and not d.tokenizer:

@@ -145,8 +145,9 @@ class Trainer:
         self.optimizers, self.schedulers = build_optimizers(self.pipe.model_parts, t)
         parts = self.pipe.model_parts
         self.checkpointer = Checkpointer(
-            self.cfg.checkpoint, parts, self.optimizers, self.schedulers, self.loader, self.pipe.rng_streams
-        )
+            self.cfg.checkpoint, parts, self.optimizers, self.schedulers, self.loader, self.pipe.rng_streams,
+            t.comm_timeout_s,  # bounds the background saves' collectives (checkpoint.async)
+        )  # fmt: skip
         self.step = _resume(self.checkpointer, resume, self.cfg)
         self.metrics = _metrics(self.cfg, self.dims, self.mesh)
         self.guard = NonFiniteGuard(parts, self.pipe.pcfg.num_stages, self.pipe.device)
@@ -172,6 +173,7 @@ class Trainer:
         finally:
             watch.stop()
             self.loader.stop()
+            self.checkpointer.close()  # after an error: a background save in flight ends before the run does
         return rows
 
     def _train_step(self) -> dict:
