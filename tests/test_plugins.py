@@ -71,3 +71,51 @@ def test_layout_and_schedule_come_from_an_installed_package(installed_plugin):
     assert out["schedule_class"] == "ScheduleGPipe"
     assert out["loss"] == pytest.approx(out["ref_loss"], rel=1e-5)
     assert 3.5 < out["loss"] < 5.0  # about ln(64) = 4.16 for a fresh model
+
+
+PLUGIN_JOB = """
+[model]
+kind = "tiny_mlp"
+vocab_size = 64
+dim = 32
+n_layers = 4
+n_heads = 1
+n_kv_heads = 1
+ffn_dim = 64
+[parallel]
+pp = 2
+dp_shard = 2
+schedule = "1F1B"
+microbatches = 2
+mixed_precision = "fp32"
+[training]
+steps = 30
+batch_size = 8
+seq_len = 16
+lr = 1e-2
+warmup_steps = 2
+log_every = 10
+metrics_file = "{metrics}"
+[data]
+source = "counting"
+[checkpoint]
+enable = false
+"""
+
+
+def test_a_plugin_model_kind_and_data_source_train_from_toml_at_pp2(installed_plugin, tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    job = tmp_path / "job.toml"
+    job.write_text(PLUGIN_JOB.format(metrics=metrics))
+    cmd = [sys.executable, "-m", "pp_tp.cli", "train", "--config", str(job), "--nproc", "4"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses) == 3 and losses[0] > 3.0, losses  # about ln(64) = 4.16 at the start
+    assert losses[2] < losses[1] < losses[0] and losses[2] < 0.9 * losses[0], losses  # measured 3.96, 3.56, 3.35
+    bad = subprocess.run(
+        [sys.executable, "-m", "pp_tp.cli", "check", "--config", str(job), "data.source=countin"],
+        capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
+    )  # fmt: skip
+    assert bad.returncode == 2 and "data.source = 'countin'" in bad.stderr and "counting" in bad.stderr, bad.stderr

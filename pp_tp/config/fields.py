@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import fields
 from typing import Any, TypeVar
 
+from pp_tp.config.kinds import DATA_SOURCES, MODEL_KINDS
 from pp_tp.config.schema import BOUNDS, CHOICES
 from pp_tp.errors import ConfigError
 
@@ -28,13 +29,19 @@ def checked(section: str, obj: Section) -> Section:
     }
     for key, low, inclusive in BOUNDS.get(section, ()):
         _check_bound(f"{section}.{key}", values[key], low, inclusive)
-    for key, choices in CHOICES.get(section, {}).items():
+    for key, choices in _choices(section).items():
         if isinstance(values[key], str) and values[key] not in choices:
             raise ConfigError(
                 f"{section}.{key} = {values[key]!r} is not one of {', '.join(choices)}"
                 f"{did_you_mean(values[key], choices, repr)}; set {section}.{key} to one of them"
             )
     return type(obj)(**values)
+
+
+def _choices(section: str) -> dict[str, tuple[str, ...]]:
+    """The fixed sets of schema.CHOICES and the open registries' names (model.kind, data.source) as they are now."""
+    registered = {"model": {"kind": tuple(MODEL_KINDS)}, "data": {"source": tuple(DATA_SOURCES)}}
+    return {**CHOICES.get(section, {}), **registered.get(section, {})}
 
 
 def toml_key(name: str) -> str:

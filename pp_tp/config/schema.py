@@ -144,7 +144,7 @@ class DataConfig:
     `dataset` tokenizes jsonl / parquet / arrow files or a saved `datasets` directory's `text_field` on the fly.
     `document_mask` restarts position ids after every EOS and keeps attention inside each document. `fields`
     (gridded fields, train/fields.py) and `images` (labelled images, train/images.py) are synthetic data for the
-    models that are not language models (NON_LM_DATA)."""
+    models that are not language models (their `ModelKind.data`). Plugins add sources (pp_tp/config/kinds.py)."""
 
     source: str = "synthetic"
     path: str = ""
@@ -215,13 +215,11 @@ class JobConfig:
 # `[training] loss` names (pp_tp.runtime.loss.LOSSES implements them, each summed and divided by the global count).
 LOSS_NAMES = ("mse", "l1", "cross_entropy")
 
-# The models that are not language models (`model.kind`) and the synthetic data each trains on (`data.source`).
-NON_LM_DATA = {"credit": "fields", "vit": "images"}
-
 # Allowed strings per section and key. A str|int field (fsdp_reshard_after_forward, fsdp_grad_reduce) is
 # checked here only when it holds a string.
 CHOICES: dict[str, dict[str, tuple[str, ...]]] = {
-    "model": {"kind": ("reference", "hf_llama", "credit", "vit"), "router": ("softmax", "sigmoid")},
+    # model.kind and data.source: the open registries of pp_tp/config/kinds.py
+    "model": {"router": ("softmax", "sigmoid")},
     "training": {"loss": ("", *LOSS_NAMES)},
     "parallel": {
         "split": ("even", "weighted", "balanced", "layers_per_stage", "explicit"),
@@ -232,7 +230,7 @@ CHOICES: dict[str, dict[str, tuple[str, ...]]] = {
         "activation_checkpoint": ("none", "full", "selective"),
         "embedding": ("auto", "replicate", "vocab_parallel"),
     },
-    "data": {"source": ("synthetic", "text", "tokens", "dataset", "fields", "images"), "dtype": ("uint16", "uint32")},
+    "data": {"dtype": ("uint16", "uint32")},
 }
 
 # (key, lower bound, whether the bound itself is allowed). dp_shard (-1 allowed) has its own check.

@@ -8,9 +8,9 @@ from __future__ import annotations
 import os
 
 from pp_tp.config.fields import checked
+from pp_tp.config.kinds import DATA_SOURCES, MODEL_KINDS
 from pp_tp.config.schema import (
     CHOICES,
-    NON_LM_DATA,
     CheckpointConfig,
     DataConfig,
     JobConfig,
@@ -94,13 +94,14 @@ def check_balancing_keys(moe: MoEConfig) -> MoEConfig:
 
 
 def check_non_lm_job(cfg: JobConfig) -> None:
-    """A model that is not a language model (NON_LM_DATA: CREDIT on gridded fields, the ViT on labelled images)
-    reads its own synthetic data and only it does, and only such a model takes a training.loss; its image splits
-    into patches and its width into heads."""
+    """A model that is not a language model (its ModelKind names its `data`: CREDIT on gridded fields, the ViT on
+    labelled images) reads its own data and only it does, and only such a model takes a training.loss; its image
+    splits into patches and its width into heads."""
     m, source = cfg.model, cfg.data.source
-    own = NON_LM_DATA.get(m.kind)
-    if own != source and (own or source in NON_LM_DATA.values()):
-        pairs = " and ".join(f'model.kind = "{k}" with data.source = "{s}"' for k, s in NON_LM_DATA.items())
+    own = MODEL_KINDS[m.kind].data if m.kind in MODEL_KINDS else None
+    non_lm = {k: kind.data for k, kind in MODEL_KINDS.items() if kind.data}
+    if own != source and (own or (source in DATA_SOURCES and DATA_SOURCES[source].non_lm)):
+        pairs = " and ".join(f'model.kind = "{k}" with data.source = "{s}"' for k, s in non_lm.items())
         raise ConfigError(
             f"model.kind = {m.kind!r} with data.source = {source!r}: {pairs} go together and only together; "
             "set both or neither"
@@ -108,7 +109,7 @@ def check_non_lm_job(cfg: JobConfig) -> None:
     if cfg.training.loss and not own:
         raise ConfigError(
             f"training.loss = {cfg.training.loss!r} is for models that are not language models (model.kind = "
-            f"{' or '.join(repr(k) for k in NON_LM_DATA)}); a language model trains on its token loss, so drop "
+            f"{' or '.join(repr(k) for k in non_lm)}); a language model trains on its token loss, so drop "
             "training.loss"
         )
     if own and m.image_size % m.patch_size:

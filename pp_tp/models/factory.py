@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from pp_tp.config import ModelConfig
+from pp_tp.config.kinds import MODEL_KINDS, ModelKind, register_model_kind, resolve
 from pp_tp.errors import ConfigError
 from pp_tp.layout import layout_for
 from pp_tp.models.credit.model import CreditArgs, CreditModel
@@ -56,40 +57,58 @@ def resolve_model_config(mcfg: ModelConfig) -> ModelConfig:
 
 
 def build_model(mcfg: ModelConfig, device: str | torch.device = "meta") -> nn.Module:
-    """`hf_path`: the Hugging Face causal LM of DIR/config.json; `kind = "reference"`: our Transformer;
-    `kind = "hf_llama"`: a transformers LlamaForCausalLM of the same shape; `kind = "credit"`: the CREDIT-style
-    weather model; `kind = "vit"`: the ViT classifier."""
+    """`hf_path`: the Hugging Face causal LM of DIR/config.json; otherwise the registered `model.kind`
+    (pp_tp/config/kinds.py; the built-ins below, plugins alike)."""
     if mcfg.hf_path:
         return hf_causal_lm(hf_config(mcfg.hf_path), device)
-    if mcfg.kind == "credit":
-        m = mcfg
-        args = CreditArgs(m.channels, m.image_size, m.patch_size, m.dim, m.n_layers, m.n_heads, m.ffn_dim)
-        with torch.device(device):
-            return CreditModel(args)
-    if mcfg.kind == "vit":
-        m = mcfg
-        args = ViTArgs(m.channels, m.image_size, m.patch_size, m.dim, m.n_layers, m.n_heads, m.ffn_dim, m.n_classes)
-        with torch.device(device):
-            return ViT(args)
-    args = model_args(mcfg)
-    if mcfg.kind == "hf_llama":
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        cfg = LlamaConfig(
-            vocab_size=args.vocab_size,
-            hidden_size=args.dim,
-            intermediate_size=args.ffn_dim,
-            num_hidden_layers=args.n_layers,
-            num_attention_heads=args.n_heads,
-            num_key_value_heads=args.kv_heads,
-            max_position_embeddings=args.max_seq_len,
-            attention_bias=args.attn_bias,
-            tie_word_embeddings=args.tie_embeddings,
-            rms_norm_eps=args.norm_eps,
-            rope_theta=args.rope_theta,
+    if mcfg.kind not in MODEL_KINDS:
+        raise ConfigError(
+            f"model.kind = {mcfg.kind!r} is not registered; use one of {', '.join(MODEL_KINDS)} or register it "
+            "(pp_tp.extend.register_model_kind, or a pp_tp.model_kinds entry point)"
         )
-        cfg._attn_implementation = "sdpa"
-        with torch.device(device):
-            return LlamaForCausalLM(cfg)
     with torch.device(device):
-        return Transformer(args)
+        return resolve(MODEL_KINDS[mcfg.kind].build)(mcfg, device)
+
+
+def _reference(mcfg: ModelConfig, device: str | torch.device) -> nn.Module:
+    """Our Transformer (pp_tp.models.reference) of the [model] shape."""
+    return Transformer(model_args(mcfg))
+
+
+def _hf_llama(mcfg: ModelConfig, device: str | torch.device) -> nn.Module:
+    """A transformers LlamaForCausalLM of the reference shape (SDPA attention)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    args = model_args(mcfg)
+    cfg = LlamaConfig(
+        vocab_size=args.vocab_size,
+        hidden_size=args.dim,
+        intermediate_size=args.ffn_dim,
+        num_hidden_layers=args.n_layers,
+        num_attention_heads=args.n_heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=args.max_seq_len,
+        attention_bias=args.attn_bias,
+        tie_word_embeddings=args.tie_embeddings,
+        rms_norm_eps=args.norm_eps,
+        rope_theta=args.rope_theta,
+    )
+    cfg._attn_implementation = "sdpa"
+    return LlamaForCausalLM(cfg)
+
+
+def _credit(m: ModelConfig, device: str | torch.device) -> nn.Module:
+    """The CREDIT-style weather model on `channels` fields of an `image_size` grid in `patch_size` patches."""
+    return CreditModel(CreditArgs(m.channels, m.image_size, m.patch_size, m.dim, m.n_layers, m.n_heads, m.ffn_dim))
+
+
+def _vit(m: ModelConfig, device: str | torch.device) -> nn.Module:
+    """The ViT classifier of `channels`-channel images into `n_classes` classes."""
+    args = ViTArgs(m.channels, m.image_size, m.patch_size, m.dim, m.n_layers, m.n_heads, m.ffn_dim, m.n_classes)
+    return ViT(args)
+
+
+register_model_kind("reference", ModelKind(_reference))
+register_model_kind("hf_llama", ModelKind(_hf_llama))
+register_model_kind("credit", ModelKind(_credit, data="fields"))
+register_model_kind("vit", ModelKind(_vit, data="images"))

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 
 from pp_tp.config import JobConfig
+from pp_tp.config.kinds import DATA_SOURCES, resolve
 from pp_tp.errors import ConfigError
 from pp_tp.train.data import VOCAB, SyntheticSource, TextSource
 from pp_tp.train.documents import DatasetDocuments
@@ -71,34 +72,74 @@ def _document_eos(eos: int | None, cfg: JobConfig) -> int | None:
 
 
 def make_source(cfg: JobConfig) -> WindowData | DocumentData:
-    """The job's data; every check on the files runs here, before any process group (one line each)."""
-    d, t, m, vocab = cfg.data, cfg.training, cfg.model, cfg.model.vocab_size
-    if d.source == "fields":
-        return WindowData([SyntheticFields(t.seed, m.channels, m.image_size)], None, None, cfg)
-    if d.source == "images":
-        return WindowData([SyntheticImages(t.seed, m.channels, m.image_size, m.n_classes)], None, None, cfg)
-    if d.source == "tokens":
-        comps = [
-            TokenComponent(expand(p, key), d.dtype, t.seq_len, vocab, f"{key} = {p!r}") for p, key in _patterns(cfg)
-        ]
-        weights = d.weights or ([float(c.num_samples) for c in comps] if len(comps) > 1 else None)
-        return WindowData(comps, weights, d.eos_id if d.document_mask else None, cfg)
-    if d.source == "dataset":
-        entries = [(key, p, expand(p, key)) for p, key in _patterns(cfg)]
-        what = f"data.path = {d.path!r}" if d.path else f"data.paths = {d.paths}"
-        docs = DatasetDocuments(entries, d.text_field, d.tokenizer, vocab, what)
-        _document_eos(docs.eos, cfg)
-        return DocumentData(docs, cfg)
+    """The job's data through the `data.source` registry (pp_tp/config/kinds.py: the built-ins below, plugins
+    alike); every check on the files runs here, before any process group (one line each)."""
+    d = cfg.data
+    if d.source not in DATA_SOURCES:
+        raise ConfigError(
+            f"data.source = {d.source!r} is not registered; use one of {', '.join(DATA_SOURCES)} or register it "
+            "(pp_tp.extend.register_data_source, or a pp_tp.data_sources entry point)"
+        )
+    return resolve(DATA_SOURCES[d.source].make)(cfg)
+
+
+def _bytes_fit(cfg: JobConfig) -> None:
+    """Byte tokens (text without a tokenizer, synthetic) need a vocabulary of at least 256."""
+    d, vocab = cfg.data, cfg.model.vocab_size
     if vocab < VOCAB and not d.tokenizer:
         raise ConfigError(
             f"model.vocab_size = {vocab}: data.source = {d.source!r} uses byte "
             f"tokens 0..255; set model.vocab_size >= {VOCAB}"
         )
+
+
+def make_fields(cfg: JobConfig) -> WindowData:
+    """Synthetic gridded fields (the CREDIT model's one-step forecast)."""
+    t, m = cfg.training, cfg.model
+    return WindowData([SyntheticFields(t.seed, m.channels, m.image_size)], None, None, cfg)
+
+
+def make_images(cfg: JobConfig) -> WindowData:
+    """Synthetic labelled images (the ViT's classes)."""
+    t, m = cfg.training, cfg.model
+    return WindowData([SyntheticImages(t.seed, m.channels, m.image_size, m.n_classes)], None, None, cfg)
+
+
+def make_tokens(cfg: JobConfig) -> WindowData:
+    """Pre-tokenized flat files through memory maps, a mixture by `weights` (default: by size)."""
+    d, t = cfg.data, cfg.training
+    comps = [
+        TokenComponent(expand(p, key), d.dtype, t.seq_len, cfg.model.vocab_size, f"{key} = {p!r}")
+        for p, key in _patterns(cfg)
+    ]
+    weights = d.weights or ([float(c.num_samples) for c in comps] if len(comps) > 1 else None)
+    return WindowData(comps, weights, d.eos_id if d.document_mask else None, cfg)
+
+
+def make_dataset(cfg: JobConfig) -> DocumentData:
+    """Text files or a saved dataset read through `datasets`, tokenized on the fly, packed."""
+    d = cfg.data
+    entries = [(key, p, expand(p, key)) for p, key in _patterns(cfg)]
+    what = f"data.path = {d.path!r}" if d.path else f"data.paths = {d.paths}"
+    docs = DatasetDocuments(entries, d.text_field, d.tokenizer, cfg.model.vocab_size, what)
+    _document_eos(docs.eos, cfg)
+    return DocumentData(docs, cfg)
+
+
+def make_text(cfg: JobConfig) -> WindowData:
+    """A text file in bytes, or with `data.tokenizer` its tokens (or a held-out tail of the text for validation)."""
+    d = cfg.data
+    _bytes_fit(cfg)
     if d.tokenizer or (cfg.validation.every and cfg.validation.split):
-        if d.source != "text":
-            raise ConfigError(f'data.tokenizer encodes text: set data.source = "text" (it is {d.source!r})')
         eos = _document_eos(eos_id(d.tokenizer, load_tokenizer(d.tokenizer)) if d.tokenizer else None, cfg)
         return WindowData([train_windows(cfg)], None, eos, cfg)  # tokenizer.json, or a held-out tail of the text
-    if d.source == "text":
-        return WindowData([TextSource(d.path, t.seq_len)], None, None, cfg)
-    return WindowData([SyntheticSource(t.seed, t.seq_len)], None, None, cfg)
+    return WindowData([TextSource(d.path, cfg.training.seq_len)], None, None, cfg)
+
+
+def make_synthetic(cfg: JobConfig) -> WindowData:
+    """Random byte tokens from the seed."""
+    _bytes_fit(cfg)
+    d = cfg.data
+    if d.tokenizer or (cfg.validation.every and cfg.validation.split):
+        raise ConfigError(f'data.tokenizer encodes text: set data.source = "text" (it is {d.source!r})')
+    return WindowData([SyntheticSource(cfg.training.seed, cfg.training.seq_len)], None, None, cfg)

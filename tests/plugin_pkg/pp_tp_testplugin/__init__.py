@@ -1,10 +1,13 @@
-"""A model pp_tp does not know (an MLP language model with its own module names) and a renamed schedule."""
+"""A model pp_tp does not know (an MLP language model with its own module names), a renamed schedule, the model as a
+TOML `model.kind` and a data source of counting sequences (next token = this one + 1 mod the vocabulary)."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.pipelining import ScheduleGPipe
 
+from pp_tp.extend import DataSource, ModelKind
 from pp_tp.layout import ModelDims, ModelLayout
 from pp_tp.schedules.registry import ScheduleSpec
 
@@ -59,3 +62,26 @@ LAYOUT = ModelLayout(
 )
 
 SCHEDULE = ScheduleSpec("PluginGPipe", ScheduleGPipe, multi_stage=False, stages_per_rank=1)
+
+KIND = ModelKind(lambda m, device: TinyLM(vocab=m.vocab_size, dim=m.dim, hidden=m.ffn_dim, n_blocks=m.n_layers))
+
+
+class Counting:
+    """Endless samples: sample i counts up from (7 i) mod vocab, wrapping; learnable from the last token alone."""
+
+    num_samples = None
+
+    def __init__(self, vocab: int, seq_len: int):
+        self.vocab, self.seq_len = vocab, seq_len
+
+    def sample(self, index: int) -> torch.Tensor:
+        return (torch.arange(self.seq_len + 1) + 7 * index) % self.vocab
+
+
+def _counting(cfg):
+    from pp_tp.train.sources import WindowData
+
+    return WindowData([Counting(cfg.model.vocab_size, cfg.training.seq_len)], None, None, cfg)
+
+
+SOURCE = DataSource(_counting)
