@@ -27,6 +27,10 @@ from torch.distributed._functional_collectives import (  # noqa: F401
     wait_tensor,
 )
 
+# Sets a process group's timeout: torchtitan 0.3.0's Trainer calls it as torch.distributed.set_timeout, which torch
+# 2.13 does not export (pp_tp.integrations.torchtitan_compat). Public replacement: torch.distributed.set_timeout.
+from torch.distributed.distributed_c10d import _set_pg_timeout as set_pg_timeout  # noqa: F401
+
 # Pipelining actions and the runtime schedule: needed to load CSV schedules and to rewrite the
 # UNSHARD/RESHARD actions (pytorch#164756). Public replacement: none yet (torch exports only the
 # schedule classes).

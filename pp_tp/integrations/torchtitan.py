@@ -12,6 +12,9 @@ What differs from torchtitan's own `pipeline_llm`:
 - `loss_fn` is replaced by pp_tp's exact loss: token-summed cross-entropy over the global count of
   non-ignored tokens, which is torchtitan's `global_valid_tokens` normalization (no gradient accumulation).
 - `init_weights` draws each parameter with its module's own torchtitan `param_init`, from (seed, FQN).
+- With TP, the modules TP leaves whole hold Replicate DTensors over tp, so the Trainer's clip_grad_norm_ and fused
+  AdamW find every parameter of a part on one mesh (torchtitan_compat.py; torch 2.13's missing
+  `torch.distributed.set_timeout` is put there too).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from torch import nn
 from pp_tp.build import build_pipeline
 from pp_tp.config import ParallelConfig, resolve_parallel
 from pp_tp.errors import ConfigError
+from pp_tp.integrations.torchtitan_compat import install_set_timeout, one_mesh_per_part
 from pp_tp.integrations.torchtitan_parts import PipelineSchedule, init_part, init_rules
 from pp_tp.mesh import build_mesh
 
@@ -110,7 +114,10 @@ def pipelining_fn(
     `get_attention_masks`.
     """
     pcfg = parallel_config(parallelism, training, ac_config, compile_config)
-    pipe = build_pipeline(model, build_mesh(pcfg), pcfg, seed=seed, seq_len=training.seq_len)
+    install_set_timeout()
+    mesh = build_mesh(pcfg)
+    one_mesh_per_part(model, pcfg, mesh)  # before the build: FSDP must find them on the TP mesh
+    pipe = build_pipeline(model, mesh, pcfg, seed=seed, seq_len=training.seq_len)
     rules, n_layers = init_rules(model), len(model.layers) if hasattr(model, "layers") else 0
     for part in pipe.model_parts:
         part.init_weights = functools.partial(init_part, part, seed, rules, n_layers)
@@ -125,5 +132,6 @@ def model_spec(name: str, flavor: str, seed: int = 0, **registry_kwargs: Any) ->
 
     `registry_kwargs` go to torchtitan's `model_registry` (e.g. `attn_backend="flex"`).
     """
+    install_set_timeout()  # torchtitan's own path (pipeline_parallel_degree = 1) needs it as well
     spec = importlib.import_module(f"torchtitan.models.{name}").model_registry(flavor, **registry_kwargs)
     return dataclasses.replace(spec, pipelining_fn=functools.partial(pipelining_fn, seed=seed))

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from pp_tp.errors import ConfigError
 from pp_tp.models.torchtitan import set_step_kwargs
@@ -19,6 +20,12 @@ from pp_tp.tensor_utils import copy_full_
 STEP_KWARGS = ("positions", "attention_masks")
 
 
+def _local(value: Any) -> Any:
+    """This rank's part of an input torchtitan wrapped as a DTensor (`spmd_backend = "full_dtensor"`: rows sharded
+    over DP, replicated over TP); anything else as it is."""
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
 class PipelineSchedule:
     """torchtitan's `pp_schedule`: `step(arg_mbs=, kwarg_mbs=, target_mbs=, losses=, loss_kwargs=)` on every rank.
 
@@ -28,7 +35,8 @@ class PipelineSchedule:
     the global loss / dp, so torchtitan's sum over microbatches and then over DP ranks is the global loss.
     Normalization: torchtitan divides by `global_valid_tokens` (non-ignored labels over DP ranks and
     gradient-accumulation groups); pp_tp by its count over DP ranks, the same number because gradient
-    accumulation is refused (parallel_config).
+    accumulation is refused (parallel_config). Inputs torchtitan wraps as DTensors (spmd_backend "full_dtensor")
+    are read as this rank's local tensors.
     """
 
     def __init__(self, pipe: Pipeline, local_batch_size: int, seq_len: int):
@@ -44,7 +52,7 @@ class PipelineSchedule:
                 f"model forward kwargs {extra}: pp_tp's pipelining_fn hands its stages only {list(STEP_KWARGS)}; "
                 "drop them from the data loader's input dict"
             )
-        per_mb = [{k: v for k, v in kw.items() if v is not None} for kw in kwarg_mbs or [{}] * m]
+        per_mb = [{k: _local(v) for k, v in kw.items() if v is not None} for kw in kwarg_mbs or [{}] * m]
         for part in self.pipe.model_parts:
             set_step_kwargs(part, per_mb)
 
@@ -62,8 +70,9 @@ class PipelineSchedule:
         """One pipeline step; whole-batch `(ids, target=)` or torchtitan 0.3.0's microbatch lists."""
         if return_outputs:
             raise ConfigError("pp_schedule.step(return_outputs=True): pp_tp returns no outputs; pass False")
-        ids = args[0] if args else torch.cat([a[0] for a in arg_mbs]) if arg_mbs else None
-        labels = target if target is not None else torch.cat(target_mbs) if target_mbs else None
+        ids = _local(args[0]) if args else torch.cat([_local(a[0]) for a in arg_mbs]) if arg_mbs else None
+        target_mbs = [target] if target is not None else target_mbs
+        labels = torch.cat([_local(t) for t in target_mbs]) if target_mbs else None
         if ids is None:  # ranks without the first stage: Pipeline.step needs only the shape
             ids = torch.zeros(self.local_batch_size, self.seq_len, dtype=torch.long)
         if labels is None:  # ranks without the last stage: labels feed only the last stage's loss

@@ -14,6 +14,8 @@ DTensor input instead of reducing it, and run the module's own forward on plain 
   either shard a module or all-reduce its input gradient per use.
 - `localize_heads`: an attention module slicing a per-part-split q/k/v projection by head counts it reads from its
   own attributes and its config gets this rank's counts (a config copy; the model's config is untouched).
+- `local_own_params`: a module's own parameters as DTensors read as local tensors inside its forward; with Replicate,
+  what torchtitan's Trainer needs of the modules TP leaves whole (pp_tp.integrations.torchtitan_compat).
 - `shard_head_params`: an attention module's own per-head parameters (GPT-OSS's sinks) split by heads like its
   column-parallel q/k/v, read as the local shard inside its forward. Home-made: torch's styles shard submodules'
   weights, not a module's own parameters.
@@ -73,10 +75,10 @@ def _reading_local(module: nn.Module, grad: tuple[Placement, ...] | None = None)
         swap_parameters(module, saved)
 
 
-def shard_head_params(module: nn.Module, mesh: DeviceMesh, src_data_rank: int | None = None) -> None:
-    """Splits `module`'s own parameters on dim 0 (heads) over `mesh`; its forward reads their local shards (the
-    gradients come back as Shard(0) DTensors)."""
-    _distribute_own(module, mesh, [Shard(0)], src_data_rank)
+def local_own_params(module: nn.Module, mesh: DeviceMesh, placements: list[Placement], src: int | None = None) -> None:
+    """`module`'s own parameters become DTensors with `placements` over `mesh`; its forward reads their local shards
+    (the gradients come back with the same placements)."""
+    _distribute_own(module, mesh, placements, src)
     forward = module.forward
 
     def local_forward(*args: Any, **kwargs: Any) -> Any:
@@ -84,6 +86,12 @@ def shard_head_params(module: nn.Module, mesh: DeviceMesh, src_data_rank: int | 
             return forward(*args, **kwargs)
 
     module.forward = local_forward
+
+
+def shard_head_params(module: nn.Module, mesh: DeviceMesh, src_data_rank: int | None = None) -> None:
+    """Splits `module`'s own parameters on dim 0 (heads) over `mesh`; its forward reads their local shards (the
+    gradients come back as Shard(0) DTensors)."""
+    local_own_params(module, mesh, [Shard(0)], src_data_rank)
 
 
 class _LocalCompute(ParallelStyle):
