@@ -264,9 +264,9 @@ class StepInFloat64:
     """The pipeline's optimizer steps redone in float64 on full copies of its parameters, from its own parameters
     and (clipped) gradients each step, with an optimizer of the same factory carrying its own state."""
 
-    def __init__(self, run: PipelineRun):
-        self.params = {k: nn.Parameter(p.double()) for k, p in run.params().items()}
-        self.optimizer = run.make_optimizer(list(self.params.values()))
+    def __init__(self, make_optimizer: MakeOptimizer, params: dict[str, torch.Tensor]):
+        self.params = {k: nn.Parameter(p.double()) for k, p in params.items()}
+        self.optimizer = make_optimizer(list(self.params.values()))
 
     def take(self, before: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The parameters one step after `before` with `grads`."""
@@ -288,34 +288,46 @@ def _whole_model(run: PipelineRun, params: dict[str, torch.Tensor]) -> dict[str,
     return {k: v for part in every for k, v in part.items()}
 
 
+@dataclass(frozen=True)
+class _Gathered:
+    """The pipeline's full gradients, parameters and buffers after a step, gathered once (full_tensor is a
+    collective) for every comparison of that step."""
+
+    grads: dict[str, torch.Tensor]
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+
+
 def _judge_step(
-    run: PipelineRun, ref: ReferenceRun, truth: ReferenceRun, update: dict[str, torch.Tensor]
+    run: PipelineRun, got: _Gathered, ref: ReferenceRun, truth: ReferenceRun, update: dict[str, torch.Tensor]
 ) -> dict[str, Judged]:
     """Every kind of tensor of the step just taken, judged against the truth; parameters against `update`."""
     floor, keys = run.floor, run.keys
     out = {"loss": _judge_scalar(run.losses, ref.losses, truth.losses, floor)}
     if run.norms:
         out["norm"] = _judge_scalar(run.norms, ref.norms, truth.norms, floor)
-    out["grads"] = judge(run.grads(), ref.grads(), truth.grads(), keys, floor)
-    out["params"] = judge(run.params(), None, update, {}, floor)
-    out["buffers"] = judge(run.buffers(), ref.buffers(), truth.buffers(), {}, floor)
+    out["grads"] = judge(got.grads, ref.grads(), truth.grads(), keys, floor)
+    out["params"] = judge(got.params, None, update, {}, floor)
+    out["buffers"] = judge(got.buffers, ref.buffers(), truth.buffers(), {}, floor)
     return out
 
 
 def lockstep(run: PipelineRun, ref: ReferenceRun, batches: Iterable[tuple[torch.Tensor, ...]]) -> Iterator[StepDiff]:
     """Steps the pipeline, the plain fp32 build and its float64 copy (made here, before the first step) on each
     global batch (ids, labels, *extra) and judges them after each step."""
-    truth, redo = ref.in_float64(), StepInFloat64(run)
-    loaded = judge(run.params(), None, ref.params(), run.keys, run.floor)  # the pipeline holds the model's weights
+    params = run.params()  # views of the live parameters where unsharded: copied below before each step
+    truth, redo = ref.in_float64(), StepInFloat64(run.make_optimizer, params)
+    loaded = judge(params, None, ref.params(), run.keys, run.floor)  # the pipeline holds the model's weights
     for i, batch in enumerate(batches):
-        before = {k: p.to(torch.float64, copy=True) for k, p in run.params().items()}
+        before = {k: p.to(torch.float64, copy=True) for k, p in params.items()}
         if i:  # from the pipeline's parameters (module docstring: fp32 trajectories part at random)
             state = _whole_model(run, before)
             ref.load(state)
             truth.load(state)
         want, got, true = ref.step(*batch), run.step(*batch), truth.step(*batch)
-        update = redo.take(before, run.grads())
-        judged = _judge_step(run, ref, truth, update)
+        after = _Gathered(run.grads(), run.params(), run.buffers())
+        params = after.params
+        judged = _judge_step(run, after, ref, truth, redo.take(before, after.grads))
         if not i:
             judged["params"] = max(judged["params"], loaded, key=lambda j: j.score)
         yield StepDiff(
@@ -323,8 +335,8 @@ def lockstep(run: PipelineRun, ref: ReferenceRun, batches: Iterable[tuple[torch.
             ref_loss=want,
             truth_loss=true,
             loss_err=abs(got - want) / max(abs(want), 1e-30),
-            grad_err=worst_err(run.grads(), ref.grads(), run.keys),
-            param_err=worst_err(run.params(), ref.params(), run.keys),
-            buffer_err=buffer_err(run.buffers(), ref.buffers()),
+            grad_err=worst_err(after.grads, ref.grads(), run.keys),
+            param_err=worst_err(after.params, ref.params(), run.keys),
+            buffer_err=buffer_err(after.buffers, ref.buffers()),
             judged=judged,
         )

@@ -90,7 +90,7 @@ def _row(step: int, d: StepDiff, device: torch.device) -> tuple:
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     w = worst.tolist()
     score = max(w[2::3])
-    return (step, d.loss, d.ref_loss, d.truth_loss, *w[:12], score, "ok" if score <= 1.0 else "FAIL")
+    return (step, d.loss, d.ref_loss, d.truth_loss, *w[: 3 * len(KINDS)], score, "ok" if score <= 1.0 else "FAIL")
 
 
 def format_table(rows: list[tuple]) -> str:
@@ -100,7 +100,7 @@ def format_table(rows: list[tuple]) -> str:
     head = f"{'step':>4}  {'loss (pipelined)':>16}  {'loss (non-PP)':>14}  {'loss (f64)':>12}{kinds}  {'score':>8}"
     lines = [head]
     for s, a, b, c, *w, score, verdict in rows:
-        pairs = "".join(f"  {w[i]:>9.2e}/{w[i + 1]:<9.2e}" for i in range(0, 12, 3))
+        pairs = "".join(f"  {w[i]:>9.2e}/{w[i + 1]:<9.2e}" for i in range(0, 3 * len(KINDS), 3))
         lines.append(f"{s:>4}  {a:>16.6f}  {b:>14.6f}  {c:>12.6f}{pairs}  {score:>8.3f}  {verdict}")
     rule = (
         f"pass: per tensor, err(pipelined, f64) <= {FACTOR:g} x err(non-PP fp32, f64) + {FLOOR_ULPS} units of the "
