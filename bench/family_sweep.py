@@ -40,11 +40,11 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import pp_tp
+from pp_tp.base.tensors import full_tensor, persistent_buffers
 from pp_tp.errors import ConfigError
 from pp_tp.models.hf.self_check import small_config, stir_zero_buffers
 from pp_tp.models.reference.model import ModelArgs
 from pp_tp.parity import dp_share, mean_token_loss, rel_err
-from pp_tp.tensor_utils import full_tensor, persistent_buffers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORLD = 4

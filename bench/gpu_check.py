@@ -309,7 +309,7 @@ def init_single_rank(device: str) -> None:
     """A one-rank default process group (NCCL on CUDA), as torchrun would give."""
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29577")
-    from pp_tp.mesh import init_distributed
+    from pp_tp.parallel.mesh import init_distributed
 
     init_distributed(300.0)
 

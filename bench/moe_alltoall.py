@@ -71,7 +71,7 @@ def case(ep: int) -> dict:
     mesh = pu.mesh_for(pcfg)
     pipe = pp_tp.build_pipeline(pu.make_model(args, device="meta"), mesh, pcfg, seed=0)
     ids, labels = pu.batch(args, BATCH, SEQ)
-    share = slice(pp_tp.mesh.dp_rank(mesh) * 2, pp_tp.mesh.dp_rank(mesh) * 2 + 2)
+    share = slice(pp_tp.parallel.mesh.dp_rank(mesh) * 2, pp_tp.parallel.mesh.dp_rank(mesh) * 2 + 2)
     with routed_rows(expert_dispatch, pipe.model_parts, ep, mesh["ep"].get_local_rank(), EXPERTS, DIM) as counts:
         pipe.step(ids[share], labels[share])
     tokens = 2 * SEQ * args.n_layers  # this rank's tokens over the step, per MoE layer summed

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from common import World
 
-from pp_tp._torch import TorchDispatchMode, tree_flatten
+from pp_tp.base._torch import TorchDispatchMode, tree_flatten
 
 
 class OpCounter(TorchDispatchMode):

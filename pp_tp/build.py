@@ -15,16 +15,16 @@ from pp_tp.config import ParallelConfig, resolve_parallel
 from pp_tp.config.fsdp_policy import FsdpPolicy
 from pp_tp.hf_checkpoint import open_checked
 from pp_tp.materialize import build_local_stages
-from pp_tp.mesh import rank_device
 from pp_tp.parallel.fsdp import grad_factor
+from pp_tp.parallel.mesh import rank_device
 from pp_tp.preflight import Preflight, check_seq_len, preflight
+from pp_tp.preflight.verdict import agreed
 from pp_tp.runtime.boundary import BoundaryShapes, InferredShapes, meta_skeleton
 from pp_tp.runtime.built import BuildOptions, BuiltStages
 from pp_tp.runtime.loss import SumLoss
 from pp_tp.runtime.pipeline import Pipeline
 from pp_tp.stages.stage_module import StageModule
 from pp_tp.stages.tied import TiedWeights, tied_names
-from pp_tp.verdict import agreed
 
 
 def _shapes(

@@ -1,6 +1,6 @@
 """Shared pieces of the multi-rank parity tests: the same weights and batch everywhere, the non-PP
 reference computed on every rank, and comparisons of loss, full gradients, updated parameters and buffers
-(the runs and comparisons are pp_tp/parity.py's, which `pp-tp parity` runs too)."""
+(the runs and comparisons are pp_tp/parity/lockstep.py's, which `pp-tp parity` runs too)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 import pp_tp
+from pp_tp.base.tensors import full_tensor, persistent_buffers  # noqa: F401  (tests reach pu.full_tensor)
 from pp_tp.config import ModelConfig, ParallelConfig
 from pp_tp.models.factory import build_model
 from pp_tp.models.reference.model import ModelArgs
 from pp_tp.parity import PipelineRun, ReferenceRun, StepDiff, lockstep, rel_err  # noqa: F401  (tests reach pu.rel_err)
-from pp_tp.tensor_utils import full_tensor, persistent_buffers  # noqa: F401  (tests reach pu.full_tensor)
 
 _MESHES: dict = {}
 
@@ -184,7 +184,7 @@ def summary(diffs: list[StepDiff]) -> dict:
 
 
 def assert_passes(r: dict, *context) -> None:
-    """One rank's result passes the float64 verdict (pp_tp/parity.py)."""
+    """One rank's result passes the float64 verdict (pp_tp/parity/lockstep.py)."""
     assert r["score"] <= 1.0, (*context, r["scores"], r)
 
 

@@ -20,12 +20,12 @@ from test_hf_families import _state, assert_exact, make, run_all
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 import pp_tp
+from pp_tp.base.tensors import persistent_buffers
 from pp_tp.errors import ConfigError
 from pp_tp.layout import layout_for
 from pp_tp.models.hf import self_check
 from pp_tp.models.hf.layout import compose
-from pp_tp.tensor_utils import persistent_buffers
-from pp_tp.verdict import agreed
+from pp_tp.preflight.verdict import agreed
 
 DP = dict(pp=2, dp_shard=2)
 # Router biases and MLA across schedules (GLM-4.5-MoE, DeepSeek-V2 and Dots1 run in tests/test_family_sweep.py and
@@ -213,7 +213,7 @@ def test_an_unsupported_tp_style_is_named_without_blaming_experts():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.bool])
 def test_a_poisoned_buffer_of_any_dtype_is_seen_until_written(dtype):
-    from pp_tp.materialize import _is_poisoned, _poison
+    from pp_tp.materialize.local_stages import _is_poisoned, _poison
 
     b = torch.empty(5, dtype=dtype)
     _poison(b)

@@ -22,7 +22,7 @@ PP2_TP2 = {"pp": 2, "tp": 2, "dp_shard": 1, "microbatches": 2, "embedding": "rep
 
 def ids_case(d: dict) -> list[tuple[int, int, list]]:
     """A harness case: trains the job; returns (step, dp rank, input ids) for every batch this rank stepped on."""
-    from pp_tp.mesh import dp_rank
+    from pp_tp.parallel.mesh import dp_rank
     from pp_tp.train.trainer import Trainer
 
     trainer = Trainer(config_from_dict(d))

@@ -71,7 +71,7 @@ def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def document_case(name: str) -> dict:
-    """Per rank: the float64 verdict (pp_tp/parity.py) against the per-document run over two AdamW steps; the
+    """Per rank: the float64 verdict (pp_tp/parity/lockstep.py) against the per-document run over two AdamW steps; the
     packed batch without positions and the forward-only evaluation against the plain per-document loss."""
     pcfg = pu.pcfg_of(pp=2, tp=2, schedule="1F1B", microbatches=2, embedding="vocab_parallel")
     model = _model(name)

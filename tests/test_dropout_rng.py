@@ -17,13 +17,13 @@ import torch
 import transformers as T
 
 import pp_tp
+from pp_tp.base.tensors import full_tensor
 from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
 from pp_tp.models.reference.model import ModelArgs
 from pp_tp.parallel.rng import active_dropout, switch_off_dropout
 from pp_tp.parity import dp_share
 from pp_tp.preflight import preflight
-from pp_tp.tensor_utils import full_tensor
 from pp_tp.train.checkpoint import _restore_rng, _rng_blob
 
 VOCAB, SEQ, BATCH = 64, 16, 8

@@ -1,8 +1,8 @@
 """Mixture-of-experts families with expert parallel (parallel.ep) and TP of experts: exact or refused.
 
 Each case runs the family's own forward + backward and two AdamW steps against the pipelined build on the same
-weights and a batch with uneven padding across dp ranks, in lockstep (pp_tp/parity.py): loss, every full gradient
-(experts gathered from their expert-dim shards), every parameter and persistent buffer after each step,
+weights and a batch with uneven padding across dp ranks, in lockstep (pp_tp/parity/lockstep.py): loss, every full
+gradient (experts gathered from their expert-dim shards), every parameter and persistent buffer after each step,
 relative error <= 1e-5. Layouts: on 4 ranks pp2 x ep2 over Interleaved1F1B and ZBVZeroBubble (split backward) and
 pp2 x tp2 (TP experts) over 1F1B, Interleaved1F1B and ZBVZeroBubble; on 8 ranks, over 1F1B and Interleaved1F1B,
 pp2 x ep2 x tp2 (Mixtral; GPT-OSS on the plan pp_tp supplies), HSDP with EP and experts FSDP-sharded over the
@@ -62,7 +62,7 @@ def _alltoall_case(kw: dict) -> dict:
     mesh = pu.mesh_for(pcfg)
     pipe = pp_tp.build_pipeline(make("mixtral_moe", "meta"), mesh, pcfg)
     ids, labels = pu.batch(ModelArgs(vocab_size=VOCAB), 8, SEQ)
-    share = slice(pp_tp.mesh.dp_rank(mesh) * 4, pp_tp.mesh.dp_rank(mesh) * 4 + 4)
+    share = slice(pp_tp.parallel.mesh.dp_rank(mesh) * 4, pp_tp.parallel.mesh.dp_rank(mesh) * 4 + 4)
     pipe.step(ids[share], labels[share])  # shapes settled; the ledger sees the step after
     layers = sum(1 for part in pipe.model_parts for n, _ in part.named_modules() if n.endswith("mlp.experts"))
     with CommLedger() as led:
@@ -127,7 +127,7 @@ def test_bad_expert_layouts_are_refused_in_one_line(name, kw, match):
 
 def test_ep_rule_is_the_same_for_check_and_mesh():
     """`pp-tp check` (resolve_parallel) and build_mesh's shape refuse the same EP degree with the same line."""
-    from pp_tp.mesh import mesh_shape
+    from pp_tp.parallel.mesh import mesh_shape
 
     pcfg = ParallelConfig(pp=2, dp_shard=-1, ep=4)
     with pytest.raises(ConfigError) as check:

@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 
 import pp_tp
+from pp_tp.base.tensors import full_tensor
 from pp_tp.errors import ConfigError
 from pp_tp.hf_checkpoint import open_checked
 from pp_tp.parity import PipelineRun, ReferenceRun, lockstep, rel_err
-from pp_tp.tensor_utils import full_tensor
 
 
 def roundtrip_case(tmp: str, pcfg_kw: dict, tie: bool, lr: float = 0.5) -> dict:

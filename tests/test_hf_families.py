@@ -2,7 +2,7 @@
 
 Tiny configs built here (no downloads), fp32. Each case builds the model on CPU with random weights, runs its
 own forward + backward (mean token cross-entropy) and two AdamW steps, and the pipelined build (pp2 x tp2,
-some with dp2 and uneven padding) on the same weights and batch, in lockstep (pp_tp/parity.py): after every
+some with dp2 and uneven padding) on the same weights and batch, in lockstep (pp_tp/parity/lockstep.py): after every
 step the loss, every full gradient (a tied copy against the tied weight's gradient), every parameter and the
 persistent buffers, relative error <= 1e-5.
 """
@@ -16,13 +16,13 @@ import transformers as T
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 import pp_tp
+from pp_tp.base.tensors import persistent_buffers
 from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
 from pp_tp.layout import layout_for
 from pp_tp.models.hf.self_check import small_config
 from pp_tp.models.reference.model import ModelArgs, Transformer
 from pp_tp.preflight import preflight
-from pp_tp.tensor_utils import persistent_buffers
 
 VOCAB = 64
 BASE = dict(

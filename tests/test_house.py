@@ -1,6 +1,7 @@
 """House rules on pp_tp's source, checked by reading it (ast only; nothing is imported): no import circle between
 modules or packages, the builder core apart from what is built around it, no long file or function, private names
-of other code (torch's above all) only in pp_tp/_torch.py, and generic folders free of models. See docs/design.md."""
+of other code (torch's above all) only in pp_tp/base/_torch.py,
+and generic folders free of models. See docs/design.md."""
 
 from __future__ import annotations
 
@@ -22,11 +23,8 @@ FUNCTION_LEVEL_IMPORTS: dict[str, str] = {}
 LONG_FUNCTIONS_TO_REMOVE: set[str] = set()
 
 DOOR = "_torch.py"
-# The packages built around the builder core (docs/design.md, "Folder map"); the core imports none of them.
-AROUND_CORE = ("pp_tp.train", "pp_tp.cli", "pp_tp.planner", "pp_tp.diagnostics", "pp_tp.models", "pp_tp.integrations")
-# Top-level modules outside the core: the public API and the extension points, which import models and plugins.
-FACADE = {"pp_tp", "pp_tp.extend", "pp_tp.plugins"}
-DIAGNOSTICS = "pp_tp.diagnostics"
+DESIGN = PKG.parent / "docs" / "design.md"
+MAY_IMPORT_MARK = "<!-- may-import: tests/test_house.py reads this table -->"
 
 
 def _sources() -> dict[str, Path]:
@@ -46,10 +44,6 @@ TREES = {mod: ast.parse(path.read_text(), str(path)) for mod, path in SOURCES.it
 
 def _rel(mod: str) -> str:
     return str(SOURCES[mod].relative_to(PKG.parent))
-
-
-def _in(mod: str, pkg: str) -> bool:
-    return mod == pkg or mod.startswith(pkg + ".")
 
 
 def _targets(mod: str, node: ast.Import | ast.ImportFrom) -> list[str]:
@@ -162,22 +156,34 @@ def test_no_package_cycle() -> None:
     assert cycles == [], {f"{a} -> {b}": graph[a][b] for c in cycles for a in c for b in c if b in graph[a]}
 
 
-def test_builder_core_imports_nothing_built_around_it() -> None:
-    core = [m for m in SOURCES if m not in FACADE and not any(_in(m, p) for p in AROUND_CORE)]
-    bad = {
-        _rel(m): out for m in core if (out := sorted(t for t in ALL_IMPORTS[m] if any(_in(t, p) for p in AROUND_CORE)))
-    }
-    assert bad == {}
+def _may_import() -> dict[str, set[str]]:
+    """docs/design.md's table "what each folder may import": unit -> the units it may import (one home for the rule)."""
+    text = DESIGN.read_text()
+    block = text[text.index(MAY_IMPORT_MARK) :].split("```")[1]
+    rows = [line.split() for line in block.strip().splitlines()[1:]]
+    return {row[0]: set(row[1:]) - {"-"} for row in rows}
 
 
-def test_no_pp_tp_module_imports_diagnostics() -> None:
-    """diagnostics/ is for tests and bench: nothing in pp_tp may depend on it."""
+def _unit(mod: str) -> str:
+    """The folder (or root module) `mod` belongs to: pp_tp.parallel.fsdp -> parallel, pp_tp.errors -> errors."""
+    return mod.split(".")[1] if "." in mod else "pp_tp"
+
+
+def test_every_folder_imports_only_what_the_design_allows() -> None:
+    allowed = _may_import()
+    assert {_unit(m) for m in SOURCES} - set(allowed) == set(), "give the new folder a row in docs/design.md"
     bad = {
         _rel(m): out
         for m in SOURCES
-        if not _in(m, DIAGNOSTICS) and (out := sorted(t for t in ALL_IMPORTS[m] if _in(t, DIAGNOSTICS)))
+        if (out := sorted(t for t in ALL_IMPORTS[m] if _unit(t) not in allowed[_unit(m)] | {_unit(m)}))
     }
-    assert bad == {}
+    assert bad == {}, "import only what docs/design.md's table allows, or change the table with why"
+
+
+def test_the_design_table_allows_no_circle() -> None:
+    """The table itself is layered: following what may be imported never comes back (the root pp_tp aside)."""
+    table = {u: deps - {"pp_tp"} for u, deps in _may_import().items() if u != "pp_tp"}
+    assert _cycles(table) == []
 
 
 def _function_level() -> dict[str, tuple[str, str]]:
@@ -220,7 +226,7 @@ def test_no_long_function() -> None:
 # not define itself is another library's private name (torch's: `schedule._stages`, `storage._cdata`, ...).
 
 # Private names of libraries other than torch that pp_tp relies on, each with why. torch's never go here: they go
-# through pp_tp/_torch.py.
+# through pp_tp/base/_torch.py.
 OTHER_PRIVATE_NAMES: dict[str, str] = {
     "_SubParsersAction": "argparse: the type of add_subparsers(), in annotations only; argparse names it nowhere else",
     "_attn_implementation": "transformers: the config's attention choice, read and set the way transformers does",
@@ -304,7 +310,7 @@ OWN = _own_names(TREES.values())
 def test_private_names_only_behind_the_door() -> None:
     allowed = OWN | set(OTHER_PRIVATE_NAMES)
     uses = {_rel(m): u for m, t in TREES.items() if SOURCES[m].name != DOOR and (u := _private_uses(t, allowed))}
-    assert uses == {}, "reach private torch names through pp_tp/_torch.py (one line on why, and the public way)"
+    assert uses == {}, "reach private torch names through pp_tp/base/_torch.py (one line on why, and the public way)"
     assert not set(OTHER_PRIVATE_NAMES) & OWN, "a listed name is pp_tp's own now: drop it from the list"
     used = " ".join(u for m, t in TREES.items() if SOURCES[m].name != DOOR for u in _private_uses(t, OWN))
     stale = {n for n in OTHER_PRIVATE_NAMES if not re.search(rf"\b{n}\b", used)}
@@ -334,13 +340,3 @@ def test_private_name_check_catches_what_it_should() -> None:
         assert _private_uses(ast.parse(source), own) == expected, source
     for source in ("self._mine", "a._field", "getattr(self, '_mine')", "x.__class__", "from torch.nn import Linear"):
         assert _private_uses(ast.parse(source), own) == [], source
-
-
-def test_generic_folders_import_no_model() -> None:
-    generic = ("pp_tp.split", "pp_tp.stages", "pp_tp.parallel", "pp_tp.runtime", "pp_tp.schedules")
-    bad = {}
-    for mod in SOURCES:
-        if mod.startswith(generic):
-            if models := sorted(t for t in ALL_IMPORTS[mod] if _in(t, "pp_tp.models")):
-                bad[_rel(mod)] = models
-    assert bad == {}

@@ -14,13 +14,13 @@ import torch.nn.functional as F
 from train_utils import REPO
 
 import pp_tp
+from pp_tp.base.tensors import persistent_buffers
 from pp_tp.config import JobConfig, ModelConfig, TrainingConfig, load_config, validate
 from pp_tp.errors import ConfigError
 from pp_tp.models.factory import build_model
 from pp_tp.models.reference import Transformer, moe
 from pp_tp.models.reference.moe import Experts, MoE, Router
 from pp_tp.planner import plan_job
-from pp_tp.tensor_utils import persistent_buffers
 
 # Layers 1 and 3 hold 8 experts (top 2) and a shared expert; 0 and 2 are dense.
 MOE = replace(pu.TINY, n_experts=8, top_k=2, n_shared_experts=1, moe_ffn_dim=16, moe_every=2)

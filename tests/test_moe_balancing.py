@@ -16,12 +16,12 @@ from test_hf_families import SEQ, VOCAB, _state, make
 from test_model_moe import MOE, MOE_SIGMOID
 
 import pp_tp
+from pp_tp.base.tensors import persistent_buffers
 from pp_tp.config import JobConfig, ModelConfig, ParallelConfig, TrainingConfig, validate
 from pp_tp.errors import ConfigError
-from pp_tp.mesh import dp_rank, dp_size
 from pp_tp.models.reference.model import ModelArgs
+from pp_tp.parallel.mesh import dp_rank, dp_size
 from pp_tp.preflight import preflight
-from pp_tp.tensor_utils import persistent_buffers
 
 TOL = 1e-5
 EP = dict(pp=2, dp_shard=2, ep=2, microbatches=2)

@@ -17,8 +17,8 @@ import pp_tp
 from pp_tp.cli.main import main
 from pp_tp.config import load_config
 from pp_tp.errors import ConfigError
-from pp_tp.mesh import MESH_DIMS, mesh_shape
 from pp_tp.models.factory import build_model
+from pp_tp.parallel.mesh import MESH_DIMS, mesh_shape
 from pp_tp.planner.fake_world import fake_world
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "toml_configs", "debug_cpu.toml")

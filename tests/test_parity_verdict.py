@@ -1,6 +1,6 @@
-"""The float64 verdict (pp_tp/parity.py): a correct build passes on any machine, a badly conditioned tensor is judged
-by how badly conditioned it is, planted bugs fail, and every shipped CPU config passes `pp-tp parity` with its
-defaults."""
+"""The float64 verdict (pp_tp/parity/lockstep.py): a correct build passes on any machine, a badly conditioned
+tensor is judged by how badly conditioned it is, planted bugs fail, and every shipped CPU config passes `pp-tp parity`
+with its defaults."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from dataclasses import replace
 import parity_utils as pu
 import torch
 
+from pp_tp.base.tensors import full_tensor
 from pp_tp.cli.parity import run_parity
 from pp_tp.config import load_config
 from pp_tp.parity import FACTOR, PipelineRun, floor_for, judge, lockstep
 from pp_tp.runtime.loss import TokenSumLoss
-from pp_tp.tensor_utils import full_tensor
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED = sorted(glob.glob(os.path.join(REPO, "toml_configs", "*_cpu.toml")))

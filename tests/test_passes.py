@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from pp_tp._torch import is_compiled
+from pp_tp.base._torch import is_compiled
 from pp_tp.config import ParallelConfig
 from pp_tp.config.fsdp_policy import FsdpPolicy
 from pp_tp.errors import ConfigError

@@ -65,7 +65,7 @@ class LiveStorageBytes(TorchDispatchMode):
         self.peak = 0
 
     def track(self, t: torch.Tensor) -> None:
-        from pp_tp._torch import local_tensor
+        from pp_tp.base._torch import local_tensor
 
         t = local_tensor(t)
         if t.device.type == "meta":

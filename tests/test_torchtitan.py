@@ -26,12 +26,12 @@ from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa
 from torchtitan.models.common.moe import GroupedExperts  # noqa: E402
 from torchtitan.models.common.rope import ComplexRoPE  # noqa: E402
 
+from pp_tp.base.tensors import full_tensor  # noqa: E402
 from pp_tp.errors import ConfigError  # noqa: E402
 from pp_tp.integrations.torchtitan import model_spec, parallel_config, pipelining_fn  # noqa: E402
 from pp_tp.integrations.torchtitan_parts import PipelineSchedule  # noqa: E402
 from pp_tp.layout import layout_for  # noqa: E402
-from pp_tp.mesh import dp_rank  # noqa: E402
-from pp_tp.tensor_utils import full_tensor  # noqa: E402
+from pp_tp.parallel.mesh import dp_rank  # noqa: E402
 
 VOCAB, DIM, LAYERS, SEQ, ROWS, MBS, EXPERTS = 128, 64, 4, 16, 8, 2, 8
 

@@ -21,8 +21,8 @@ from pp_tp.cli.job import add_job_args, load_job
 from pp_tp.config import JobConfig, ParallelConfig
 from pp_tp.errors import ConfigError
 from pp_tp.layout import layout_for
-from pp_tp.mesh import init_distributed
 from pp_tp.models.factory import build_model
+from pp_tp.parallel.mesh import init_distributed
 from pp_tp.train.checkpoint import complete_steps
 
 

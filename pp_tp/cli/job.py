@@ -10,8 +10,8 @@ import argparse
 import dataclasses
 
 from pp_tp.config import JobConfig, load_config, validate
-from pp_tp.mesh import device_type
 from pp_tp.models.factory import build_model, resolve_model_config
+from pp_tp.parallel.mesh import device_type
 from pp_tp.preflight import Preflight, preflight
 from pp_tp.train.sources import make_source
 from pp_tp.train.tensorboard import check_tensorboard

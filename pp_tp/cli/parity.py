@@ -3,9 +3,9 @@
 Every rank builds the single-process model on the same weights and batch, in fp32 and in float64 (so the model must
 fit on one device twice over), runs the job's own AdamW steps and clipping, and judges after each step the loss,
 every local parameter's full gradient and updated value, the persistent buffers and the clipped norm of the
-pipelined build by their distance to the float64 truth next to the plain fp32 build's (pp_tp/parity.py). Dropout is
-off in all builds (their masks differ by design) and the output says so. Rank 0 prints one row per step with both
-distances; the exit code says whether all rows passed.
+pipelined build by their distance to the float64 truth next to the plain fp32 build's (pp_tp/parity/lockstep.py).
+Dropout is off in all builds (their masks differ by design) and the output says so. Rank 0 prints one row per step
+with both distances; the exit code says whether all rows passed.
 """
 
 from __future__ import annotations
@@ -18,16 +18,16 @@ import torch
 import torch.distributed as dist
 
 import pp_tp
+from pp_tp.base.seeded_init import init_weights
 from pp_tp.cli.job import add_job_args, load_job
 from pp_tp.config import JobConfig
 from pp_tp.errors import ConfigError
 from pp_tp.layout import layout_for
-from pp_tp.mesh import init_distributed
 from pp_tp.models.factory import build_model
+from pp_tp.parallel.mesh import init_distributed
 from pp_tp.parallel.rng import switch_off_dropout
 from pp_tp.parity import FACTOR, FLOOR_ULPS, PipelineRun, ReferenceRun, StepDiff, lockstep
 from pp_tp.runtime.loss import SumLoss
-from pp_tp.seeded_init import init_weights
 from pp_tp.train.sources import make_source
 
 KINDS = ("loss", "grads", "params", "buffers")
@@ -55,7 +55,7 @@ def parity_batches(cfg: JobConfig, steps: int) -> Iterator[tuple[torch.Tensor, t
 
 def run_parity(cfg: JobConfig, steps: int) -> int:
     """Per-rank work; returns 0 when every step's loss, gradients, parameters, buffers (and clipped norm) pass the
-    float64 verdict on every rank (pp_tp/parity.py judges them). The optimizer is the job's: AdamW with its lr,
+    float64 verdict on every rank (pp_tp/parity/lockstep.py judges them). The optimizer is the job's: AdamW with its lr,
     betas and weight decay (torch's eps), clipping at `training.max_norm`."""
     init_distributed(cfg.training.comm_timeout_s)
     mesh = pp_tp.build_mesh(cfg.parallel)

@@ -3,7 +3,7 @@
 They live with the config because validation reads them (a name is checked, a model that is not a language model is
 paired with its data). A record's callable may be given as "module:attribute" and is imported on first use: the
 config layer names the built-in data sources of pp_tp.train without importing it (the package graph points down).
-Plugins register here, or ship `pp_tp.model_kinds` / `pp_tp.data_sources` entry points (pp_tp/plugins.py).
+Plugins register here, or ship `pp_tp.model_kinds` / `pp_tp.data_sources` entry points (pp_tp/extend/plugins.py).
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from pp_tp._torch import TorchDispatchMode, process_group_type, resolve_process_group, tree_flatten
+from pp_tp.base._torch import TorchDispatchMode, process_group_type, resolve_process_group, tree_flatten
 
 # op name (overload packet, namespace dropped) -> ledger key
 _KINDS = {

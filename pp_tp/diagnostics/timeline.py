@@ -19,7 +19,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from pp_tp._torch import patch_schedule_timing, schedule_stages
+from pp_tp.base._torch import patch_schedule_timing, schedule_stages
 from pp_tp.planner.schedule_sim import Span
 
 # ---------------------------------------------------------------------------------------------

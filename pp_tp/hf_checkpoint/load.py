@@ -13,10 +13,10 @@ from collections import Counter
 
 import torch
 
-from pp_tp._torch import local_index_runs, local_shape_and_offset, local_tensor
+from pp_tp.base._torch import local_index_runs, local_shape_and_offset, local_tensor
+from pp_tp.base.tensors import persistent_buffers
 from pp_tp.hf_checkpoint.source import HFSource
 from pp_tp.stages.stage_module import StageModule
-from pp_tp.tensor_utils import persistent_buffers
 
 
 @torch.no_grad()

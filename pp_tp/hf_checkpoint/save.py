@@ -19,9 +19,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from pp_tp.base.tensors import full_tensor, persistent_buffers
 from pp_tp.errors import ConfigError
 from pp_tp.hf_checkpoint.source import INDEX, SINGLE
-from pp_tp.tensor_utils import full_tensor, persistent_buffers
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pp_tp.base.tensors import persistent_buffers
 from pp_tp.errors import ConfigError
 from pp_tp.stages.stage_module import canonical_names
-from pp_tp.tensor_utils import persistent_buffers
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"

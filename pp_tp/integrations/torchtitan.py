@@ -31,7 +31,7 @@ from pp_tp.config import ParallelConfig, resolve_parallel
 from pp_tp.errors import ConfigError
 from pp_tp.integrations.torchtitan_compat import install_set_timeout, one_mesh_per_part
 from pp_tp.integrations.torchtitan_parts import PipelineSchedule, init_part, init_rules
-from pp_tp.mesh import build_mesh
+from pp_tp.parallel.mesh import build_mesh
 
 
 def _ac_mode(ac_config: Any) -> str:

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from pp_tp._torch import set_pg_timeout
+from pp_tp.base._torch import set_pg_timeout
 from pp_tp.config import ParallelConfig
 from pp_tp.layout import ModelLayout, layout_for
 from pp_tp.parallel.local_styles import local_own_params

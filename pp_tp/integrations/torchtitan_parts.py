@@ -10,12 +10,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from pp_tp.base.seeded_init import default_init_std, seed_of, seeded_value
+from pp_tp.base.tensors import copy_full_
 from pp_tp.errors import ConfigError
 from pp_tp.models.torchtitan import set_step_kwargs
 from pp_tp.runtime.pipeline import Pipeline
-from pp_tp.seeded_init import default_init_std, seed_of, seeded_value
 from pp_tp.stages.stage_module import canonical_names
-from pp_tp.tensor_utils import copy_full_
 
 STEP_KWARGS = ("positions", "attention_masks")
 

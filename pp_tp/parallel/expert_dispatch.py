@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from pp_tp._torch import FakeTensor, all_to_all_single_autograd, swap_parameters, wait_tensor
+from pp_tp.base._torch import FakeTensor, all_to_all_single_autograd, swap_parameters, wait_tensor
 
 
 @dataclass

@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from pp_tp._torch import copy_forward_hooks
+from pp_tp.base._torch import copy_forward_hooks
 from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
 

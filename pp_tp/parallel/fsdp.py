@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from pp_tp._torch import StridedShard
+from pp_tp.base._torch import StridedShard
 from pp_tp.config import ParallelConfig
 from pp_tp.config.fsdp_policy import FsdpPolicy, uses_fsdp
 from pp_tp.layout import ModelLayout

@@ -21,8 +21,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from pp_tp._torch import foreach_mul_
-from pp_tp.mesh import FLATTENED
+from pp_tp.base._torch import foreach_mul_
+from pp_tp.parallel.mesh import FLATTENED
 
 
 def _counts_here(grad: torch.Tensor, coords: dict[str, int]) -> bool:

@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from pp_tp._torch import StridedShard, swap_parameters
+from pp_tp.base._torch import StridedShard, swap_parameters
 
 _PARTIAL = (Partial(),)
 # Head counts an attention module may slice its q/k/v projection by (transformers' names), on itself or its config.

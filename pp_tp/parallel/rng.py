@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from pp_tp.base.seeded_init import seed_of
 from pp_tp.parallel.tp_styles import TP_STYLES
-from pp_tp.seeded_init import seed_of
 
 if TYPE_CHECKING:  # annotations only: the stage is built elsewhere
     from pp_tp.stages.stage_module import StageModule

@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from pp_tp._torch import local_tensor, storage_id
+from pp_tp.base._torch import local_tensor, storage_id
 from pp_tp.config import ParallelConfig
 from pp_tp.parallel.activation_checkpoint import is_checkpointed
 from pp_tp.runtime.loss import TokenSumLoss

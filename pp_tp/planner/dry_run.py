@@ -6,13 +6,13 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-from pp_tp._torch import FakeTensorMode
+from pp_tp.base._torch import FakeTensorMode
 from pp_tp.config import JobConfig, ParallelConfig, validate
 from pp_tp.config.fsdp_policy import FsdpPolicy
 from pp_tp.errors import ConfigError
 from pp_tp.layout import ModelDims, layout_for
-from pp_tp.mesh import MESH_DIMS, make_mesh, mesh_shape
 from pp_tp.models.factory import build_model
+from pp_tp.parallel.mesh import MESH_DIMS, make_mesh, mesh_shape
 from pp_tp.planner.auto import resolve_policies
 from pp_tp.planner.estimates import ScheduleEstimate, candidate_schedules, schedule_estimate
 from pp_tp.planner.fake_world import fake_world

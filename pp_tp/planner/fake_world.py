@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
-from pp_tp._torch import fake_store
+from pp_tp.base._torch import fake_store
 from pp_tp.errors import ConfigError
 
 

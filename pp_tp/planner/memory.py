@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining.schedules import BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, OVERLAP_F_B
 from torch.distributed.tensor import DTensor
 
-from pp_tp._torch import Action, FakeTensorMode
+from pp_tp.base._torch import Action, FakeTensorMode
 from pp_tp.config import ParallelConfig
 from pp_tp.config.fsdp_policy import FsdpPolicy, uses_fsdp
 from pp_tp.layout import ModelDims

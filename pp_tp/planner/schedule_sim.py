@@ -21,7 +21,7 @@ from torch.distributed.pipelining.schedules import (
     OVERLAP_F_B,
 )
 
-from pp_tp._torch import Action
+from pp_tp.base._torch import Action
 from pp_tp.schedules.registry import get_schedule_spec, is_csv_schedule, read_csv_schedule
 
 # Relative compute cost of each action in the simulation: a full backward is two forwards.

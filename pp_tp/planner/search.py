@@ -70,7 +70,7 @@ def step_time(cfg: JobConfig, lay: LayoutPlan, dev: Device, dims: ModelDims, exp
         bw = dev.nvlink_bw if p.tp * p.dp_shard <= NODE else dev.ib_bw
         fsdp = comm_bytes(r, walk) * (p.dp_shard - 1) / max(p.dp_shard, 1) / bw
         ep_time = 0.0
-        if experts is not None and p.ep > 1:  # the ep group is ep x tp neighbouring ranks (pp_tp.mesh)
+        if experts is not None and p.ep > 1:  # the ep group is ep x tp neighbouring ranks (pp_tp.parallel.mesh)
             sent = rank_all_to_all_bytes(experts, (b for s in stages for b in s.blocks), p, tokens, d)
             ep_time = sent / (dev.nvlink_bw if p.ep * p.tp <= NODE else dev.ib_bw)
         worst = max(worst, (compute + tp_time + ep_time) * (1 + lay.bubble) + max(0.0, fsdp - compute))

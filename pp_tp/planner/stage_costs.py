@@ -23,12 +23,12 @@ import warnings
 from collections import Counter
 from dataclasses import dataclass
 
-from pp_tp._torch import FakeTensorMode
+from pp_tp.base._torch import FakeTensorMode
 from pp_tp.config import JobConfig
 from pp_tp.config.fsdp_policy import FsdpPolicy
-from pp_tp.mesh import make_mesh
 from pp_tp.models.factory import build_model
 from pp_tp.parallel.apply import parallelize_stage
+from pp_tp.parallel.mesh import make_mesh
 from pp_tp.planner.activations import stage_activation_bytes
 from pp_tp.planner.fake_world import fake_world
 from pp_tp.planner.memory import StageCost, boundary_extras, is_expert, tp_local_numel, tp_local_shape

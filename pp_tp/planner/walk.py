@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from torch.distributed.pipelining.schedules import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, OVERLAP_F_B
 
-from pp_tp._torch import Action
+from pp_tp.base._torch import Action
 from pp_tp.config.fsdp_policy import FsdpPolicy
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pp_tp._torch import in_backward
+from pp_tp.base._torch import in_backward
 from pp_tp.config import ParallelConfig
 from pp_tp.config.schema import MoEConfig
 from pp_tp.config.sections import check_balancing_keys

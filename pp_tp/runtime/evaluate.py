@@ -14,7 +14,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.pipelining.schedules import FORWARD, OVERLAP_F_B, RECV_F, RESHARD, SEND_F, UNSHARD
 
-from pp_tp._torch import Action, PipelineScheduleRuntime, local_tensor, tensor_version
+from pp_tp.base._torch import Action, PipelineScheduleRuntime, local_tensor, tensor_version
 
 
 def grad_state(parts: list[nn.Module]) -> dict[str, tuple[int, int | None]]:

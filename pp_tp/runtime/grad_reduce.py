@@ -18,7 +18,7 @@ from typing import Any
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 
-from pp_tp._torch import fsdp_reduce_grads_now, stage_backward
+from pp_tp.base._torch import fsdp_reduce_grads_now, stage_backward
 from pp_tp.config.fsdp_policy import FsdpPolicy
 
 

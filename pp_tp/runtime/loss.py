@@ -20,8 +20,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 
+from pp_tp.base.tensors import full_tensor
 from pp_tp.errors import ConfigError
-from pp_tp.tensor_utils import full_tensor
 
 IGNORE_INDEX = -100
 

@@ -18,11 +18,11 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import RESHARD, UNSHARD
 
-from pp_tp._torch import Action, PipelineScheduleRuntime, load_csv_schedule
+from pp_tp.base._torch import Action, PipelineScheduleRuntime, load_csv_schedule
 from pp_tp.errors import ConfigError
 from pp_tp.hf_checkpoint import save_pretrained
 from pp_tp.layout import check_document_mask
-from pp_tp.mesh import dp_rank
+from pp_tp.parallel.mesh import dp_rank
 from pp_tp.parallel.rng import StageStream
 from pp_tp.parallel.tensor_parallel import reduce_partial_grads
 from pp_tp.runtime.balancing import AuxLoss, ExpertBiases

@@ -14,10 +14,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from pp_tp._torch import in_backward
+from pp_tp.base._torch import in_backward
 from pp_tp.layout import ModelLayout
-from pp_tp.mesh import rank_device
 from pp_tp.parallel.experts import moe_layers, n_experts, routing_counts
+from pp_tp.parallel.mesh import rank_device
 
 
 class RoutingStats:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from torch.distributed import pipelining as pl
 
-from pp_tp._torch import Action
+from pp_tp.base._torch import Action
 from pp_tp.errors import ConfigError
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pp_tp._torch import (
+from pp_tp.base._torch import (
     AsyncCollectiveTensor,
     child_modules,
     is_persistent_buffer,

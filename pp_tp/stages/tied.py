@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from pp_tp._torch import local_tensor
+from pp_tp.base._torch import local_tensor
 from pp_tp.split.plan import StagePlan
 from pp_tp.stages.stage_module import canonical_names
 

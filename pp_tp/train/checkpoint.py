@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from pp_tp._torch import per_part_replicated
+from pp_tp.base._torch import per_part_replicated
 from pp_tp.config import CheckpointConfig
 from pp_tp.parallel.rng import StageStream
 from pp_tp.train.prefetch import Prefetcher

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from pp_tp.seeded_init import seeded_generator
+from pp_tp.base.seeded_init import seeded_generator
 
 WAVES = 3  # random waves per variable
 

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from pp_tp.seeded_init import seeded_generator
+from pp_tp.base.seeded_init import seeded_generator
 
 WAVES = 3  # waves per channel in a class pattern
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pp_tp._torch import local_tensor
+from pp_tp.base._torch import local_tensor
 
 
 class NonFiniteError(RuntimeError):

@@ -24,10 +24,10 @@ from torch.distributed.tensor import DTensor
 import pp_tp
 from pp_tp.config import JobConfig, TrainingConfig
 from pp_tp.layout import ModelDims, layout_for
-from pp_tp.mesh import dp_rank, dp_size, init_distributed
 from pp_tp.models.factory import build_model
 from pp_tp.parallel.experts import experts_modules
 from pp_tp.parallel.grads import clip_grad_norm_
+from pp_tp.parallel.mesh import dp_rank, dp_size, init_distributed
 from pp_tp.planner import resolve_auto
 from pp_tp.split import cost
 from pp_tp.train import run_report

@@ -7,7 +7,7 @@ from __future__ import annotations
 from torch.distributed.device_mesh import DeviceMesh
 
 from pp_tp.config import JobConfig
-from pp_tp.mesh import dp_rank, dp_size
+from pp_tp.parallel.mesh import dp_rank, dp_size
 from pp_tp.runtime.pipeline import Pipeline
 from pp_tp.train.loader import ShardedBatches
 from pp_tp.train.text_tokens import TokenWindows, eos_id, load_tokenizer, validation_windows

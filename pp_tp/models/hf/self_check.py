@@ -17,12 +17,12 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from pp_tp.base.tensors import persistent_buffers
 from pp_tp.errors import ConfigError
 from pp_tp.layout import ModelLayout
 from pp_tp.materialize import materialize
 from pp_tp.split.plan import StageSpec
 from pp_tp.stages.stage_module import StageModule
-from pp_tp.tensor_utils import persistent_buffers
 
 SEQ = 12  # longer than the sliding window set below, so window masks really cut
 WINDOW = 4

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pp_tp.base.seeded_init import default_init_std, init_weights
 from pp_tp.config.schema import ModelShape
 from pp_tp.config.sections import check_moe
 from pp_tp.models.reference.moe import MoE, init_expert_bias
-from pp_tp.seeded_init import default_init_std, init_weights
 
 
 @dataclass
@@ -141,7 +141,7 @@ class Transformer(nn.Module):
         self.rope = rope_cache(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, self.rope.device)
 
     def init_weights(self, seed: int = 0) -> None:
-        """Values depend only on (seed, parameter FQN): pp_tp.seeded_init with this model's std rule; router
+        """Values depend only on (seed, parameter FQN): pp_tp.base.seeded_init with this model's std rule; router
         biases zero."""
         self.init_rope()
         init_expert_bias(self)

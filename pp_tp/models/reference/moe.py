@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pp_tp._torch import FakeTensor
+from pp_tp.base._torch import FakeTensor
 from pp_tp.config.schema import ModelShape
 
 

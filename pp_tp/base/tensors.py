@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from pp_tp._torch import is_persistent_buffer
+from pp_tp.base._torch import is_persistent_buffer
 
 
 def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:

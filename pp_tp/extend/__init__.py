@@ -6,14 +6,14 @@ call a block); a schedule a `ScheduleSpec`; a TP style name a `TPStyle` record (
 what pp_tp's checks and dropout streams must know about it); a TOML `model.kind` a `ModelKind` (how to build it from
 [model], and the data a model that is not a language model trains on); a `data.source` a `DataSource` (its loader).
 Register them here, or ship them as `pp_tp.model_layouts` / `pp_tp.schedules` / `pp_tp.model_kinds` /
-`pp_tp.data_sources` entry points (see pp_tp.plugins). docs/design.md explains each.
+`pp_tp.data_sources` entry points (see pp_tp.extend.plugins). docs/design.md explains each.
 """
 
+from pp_tp.base.seeded_init import default_init_std, seeded_value
 from pp_tp.config.kinds import DataSource, ModelKind, register_data_source, register_model_kind
 from pp_tp.layout import ModelDims, ModelLayout, blocks_layout, layout_for, register_layout
 from pp_tp.parallel.tp_styles import TPStyle, register_tp_style
 from pp_tp.schedules.registry import ScheduleSpec, register_schedule
-from pp_tp.seeded_init import default_init_std, seeded_value
 
 __all__ = [
     "DataSource",

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pp_tp.base.seeded_init import InitStd, default_init_std
 from pp_tp.errors import ConfigError
-from pp_tp.seeded_init import InitStd, default_init_std
 
 
 @dataclass(frozen=True)

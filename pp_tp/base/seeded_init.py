@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from pp_tp.tensor_utils import copy_full_
+from pp_tp.base.tensors import copy_full_
 
 # fqn, n_layers -> std; None means "ones" (norm weights), 0.0 zeros.
 InitStd = Callable[[str, int], "float | None"]

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from pp_tp._torch import flatten_mesh_dims
+from pp_tp.base._torch import flatten_mesh_dims
 from pp_tp.config import ParallelConfig, check_ep, resolve_dp_shard
 from pp_tp.errors import ConfigError
 

@@ -32,11 +32,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from pp_tp.mesh import dp_rank, dp_size
+from pp_tp.base.tensors import full_tensor, persistent_buffers
 from pp_tp.parallel.grads import clip_grad_norm_
+from pp_tp.parallel.mesh import dp_rank, dp_size
 from pp_tp.runtime.loss import SumLoss, target_count
 from pp_tp.runtime.pipeline import Pipeline
-from pp_tp.tensor_utils import full_tensor, persistent_buffers
 
 MakeOptimizer = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 

@@ -17,6 +17,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from pp_tp.base.seeded_init import seeded_value
+from pp_tp.base.tensors import copy_full_, persistent_buffers
 from pp_tp.config import ParallelConfig
 from pp_tp.config.fsdp_policy import FsdpPolicy
 from pp_tp.errors import ConfigError
@@ -24,10 +26,8 @@ from pp_tp.hf_checkpoint.load import load_stage
 from pp_tp.hf_checkpoint.source import HFSource
 from pp_tp.layout import ModelLayout
 from pp_tp.parallel.apply import parallelize_stage
-from pp_tp.seeded_init import seeded_value
 from pp_tp.split.plan import StagePlan
 from pp_tp.stages.stage_module import StageModule, canonical_names
-from pp_tp.tensor_utils import copy_full_, persistent_buffers
 
 
 def _capture_weights(stage: StageModule) -> dict[str, torch.Tensor]:

@@ -1,0 +1,12 @@
+"""The model abstraction the core sees: where a model's embedding, blocks, norm and head live, and its registry."""
+
+from pp_tp.layout.model_layout import (
+    ModelDims,
+    ModelLayout,
+    blocks_layout,
+    check_document_mask,
+    layout_for,
+    register_layout,
+)
+
+__all__ = ["ModelDims", "ModelLayout", "blocks_layout", "check_document_mask", "layout_for", "register_layout"]
