@@ -1,15 +1,17 @@
-"""Every Hugging Face causal-LM family with a pipeline plan, through pp_tp on its defaults: exact, refused or wrong.
+"""Every Hugging Face decoder-only causal-LM family, through pp_tp on its defaults: exact, refused or wrong.
 
     python bench/family_sweep.py                                  # all families, table to stdout
     python bench/family_sweep.py --families llama qwen3_next      # some model types
     python bench/family_sweep.py --out docs/family_sweep.md       # the table to a file too
 
-For each `model_type` of the installed transformers' causal-LM mapping whose config class declares a
-`base_model_pp_plan`: its default config shrunk by pp_tp's own `small_config`, seeded random weights (norm weights
-near 1, all-zero persistent float buffers such as router biases stirred), fp32. On 4 gloo ranks (one world for
-every family) the model's own forward + backward on an 8 x 16 batch is the reference; `build_pipeline` with
-default options (pp2 x tp2, 1F1B, 2 microbatches; MoE families pp2 x dp_shard2 x ep2, or `--moe-layout dp_shard`
-/ `tp`) runs one `Pipeline.step` on the
+For each decoder-only `model_type` of the installed transformers' causal-LM mapping, with a declared
+`base_model_pp_plan` or not (pp_tp then finds the structure from the forward; encoder-decoder and encoder-only types,
+those in the seq2seq or masked-LM mappings, are listed as out of scope): its default config shrunk by pp_tp's own
+`small_config`, seeded random weights (norm weights near 1, all-zero persistent float buffers such as router biases
+stirred), fp32. On 4 gloo ranks (one world for every family) the model's own forward + backward on an 8 x 16 batch
+is the reference; `build_pipeline` with default options (pp2 x tp2, 1F1B, 2 microbatches; a dense family that
+declares no TP plan pp2 x dp_shard2, since tp > 1 is refused for it by design; MoE families pp2 x dp_shard2 x ep2,
+or `--moe-layout dp_shard` / `tp`) runs one `Pipeline.step` on the
 same weights and batch. Verdicts: exact (loss and every full gradient within tolerance, persistent buffers equal,
 parameters covered), refused (the same one-line ConfigError on every rank), wrong (anything else), skipped (the
 reference itself could not be built or run: not pp_tp's doing). Dropout a default config turns on is set to 0 (the
@@ -37,12 +39,19 @@ from harness import RankError
 from parity_utils import batch, mesh_for
 from transformers import AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES,
+)
 
 import pp_tp
 from pp_tp.base.tensors import full_tensor, persistent_buffers
 from pp_tp.errors import ConfigError
+from pp_tp.models.hf.randomness import is_dropout_key
 from pp_tp.models.hf.self_check import small_config, stir_zero_buffers
+from pp_tp.models.hf.tp_plan import declared_tp_plan
 from pp_tp.models.reference.model import ModelArgs
 from pp_tp.parity import dp_share, mean_token_loss, rel_err
 
@@ -60,9 +69,20 @@ class Skip(Exception):
     """The reference model itself could not be built or run: the family is out of the sweep, not pp_tp's fault."""
 
 
+def out_of_scope(model_type: str) -> bool:
+    """An encoder-decoder or encoder-only family (its causal LM is a decoder of a seq2seq model or a masked LM's
+    encoder run causally): not a decoder-only LM, so not the sweep's to judge."""
+    mappings = (
+        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+    return any(model_type in m for m in mappings)
+
+
 def families() -> list[str]:
-    """Model types of every causal-LM family whose config class declares a pipeline plan (what pp_tp can split)."""
-    return [t for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if getattr(CONFIG_MAPPING[t], "base_model_pp_plan", None)]
+    """Model types of every decoder-only causal-LM family, with a declared pipeline plan or not."""
+    return [t for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if not out_of_scope(t)]
 
 
 def _class_name(model_type: str) -> str:
@@ -82,8 +102,10 @@ MOE_LAYOUTS = {"dp_shard": dict(pp=2, dp_shard=2, tp=1), "ep": dict(pp=2, dp_sha
 
 
 def parallel_config(config: Any, moe_layout: str = "ep") -> pp_tp.ParallelConfig:
-    """pp2 x tp2 for dense families; MoE families in `moe_layout` (MOE_LAYOUTS)."""
-    shape = MOE_LAYOUTS[moe_layout] if is_moe(config) else dict(pp=2, dp_shard=1, tp=2)
+    """pp2 x tp2 for dense families (pp2 x dp_shard2 for those declaring no TP plan); MoE families in `moe_layout`
+    (MOE_LAYOUTS)."""
+    dense = dict(pp=2, dp_shard=1, tp=2) if declared_tp_plan(config) else MOE_LAYOUTS["dp_shard"]
+    shape = MOE_LAYOUTS[moe_layout] if is_moe(config) else dense
     return pp_tp.ParallelConfig(**{"dp_shard": 1, **shape}, schedule="1F1B", microbatches=2, mixed_precision="fp32")
 
 
@@ -159,7 +181,7 @@ def reference_model(model_type: str) -> tuple[torch.nn.Module, str]:
 
 def _dropout_keys(config: Any) -> list[str]:
     """Config keys with dropout on: in train mode they draw random masks, so the sweep turns them off (noted)."""
-    return sorted(k for k, v in config.to_dict().items() if "dropout" in k and isinstance(v, float) and v > 0)
+    return sorted(k for k, v in config.to_dict().items() if is_dropout_key(k) and isinstance(v, float) and v > 0)
 
 
 def family_case(model_type: str, moe_layout: str = "ep") -> dict[str, Any]:
@@ -312,6 +334,8 @@ def markdown(rows: Sequence[Row]) -> str:
     counts = Counter(r.verdict for r in rows)
     lines.append("")
     lines.append(", ".join(f"{counts[v]} {v}" for v in ("exact", "refused", "wrong", "skipped")))
+    skipped = [t for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if out_of_scope(t)]
+    lines += ["", f"Out of scope (encoder-decoder or encoder-only, {len(skipped)}): {', '.join(skipped)}."]
     return "\n".join(lines) + "\n"
 
 

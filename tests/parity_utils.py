@@ -24,7 +24,7 @@ TINY = ModelArgs(vocab_size=96, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn
 
 def mesh_for(pcfg: ParallelConfig):
     """Meshes are cached per shape: creating gloo groups for every case would dominate the run time."""
-    key = (pcfg.pp, pcfg.dp_replicate, pcfg.dp_shard, pcfg.ep, pcfg.tp)
+    key = (pcfg.pp, pcfg.dp_replicate, pcfg.dp_shard, pcfg.ep, pcfg.cp, pcfg.tp)
     if key not in _MESHES:
         _MESHES[key] = pp_tp.build_mesh(pcfg)
     return _MESHES[key]

@@ -19,6 +19,7 @@ from pp_tp.config import (
     validate,
 )
 from pp_tp.config.fields import toml_key
+from pp_tp.config.kinds import MODEL_KINDS
 from pp_tp.errors import ConfigError
 from pp_tp.layout import ModelDims
 from pp_tp.preflight import check_model_shape
@@ -342,15 +343,21 @@ def test_bad_csv_schedule(base, tmp_path):
 
 
 ALL_KEYS = [
-    (section.name, toml_key(f.name))  # a field escaping a Python keyword (`async_`) is its TOML key (`async`)
+    (section.name, toml_key(f.name), {})  # a field escaping a Python keyword (`async_`) is its TOML key (`async`)
     for section in dataclasses.fields(JobConfig)
     for f in dataclasses.fields(section.default_factory)
+    if f.metadata.get("toml", True)
+] + [  # each model kind's own keys (ModelKind.section), given beside its kind
+    ("model", f.name, {"kind": name})
+    for name, kind in MODEL_KINDS.items()
+    if kind.section
+    for f in dataclasses.fields(kind.section)
 ]
 
 
-@pytest.mark.parametrize("section, key", ALL_KEYS)
-def test_every_field_is_type_checked(section, key):
-    message = config_error(config_from_dict, {section: {key: {"a": 1}}}, world_size=1)
+@pytest.mark.parametrize("section, key, beside", ALL_KEYS)
+def test_every_field_is_type_checked(section, key, beside):
+    message = config_error(config_from_dict, {section: {key: {"a": 1}, **beside}}, world_size=1)
     assert message.startswith(f"{section}.{key} = ") and "has type table" in message
 
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from pp_tp.train.metrics import MetricsLogger, peak_flops
+from pp_tp.layout import layout_for
+from pp_tp.models.reference import ModelArgs, Transformer
+from pp_tp.split import cost
+from pp_tp.train.metrics import MetricsLogger, flops_per_token, peak_flops
 
 
 def test_mfu_uses_the_device_table_and_is_left_out_when_the_peak_is_unknown():
@@ -13,6 +16,23 @@ def test_mfu_uses_the_device_table_and_is_left_out_when_the_peak_is_unknown():
     row = MetricsLogger("", 1, False, 1e9, 2, 1e12).log(3, False, 2.0, 0.5, 1e-3, tokens=1000, step_time_s=0.5)
     assert row["tokens_per_s"] == 2000 and row["mfu"] == pytest.approx(1.0)  # 1e9 * 2000 / (2 * 1e12)
     assert "mfu" not in MetricsLogger("", 1, False, 1e9, 2, None).log(3, False, 2.0, 0.5, 1e-3, 1000, 0.5)
+
+
+def test_flops_per_token_count_what_a_token_meets_dense_and_moe():
+    """Dense: the analytic formula (6 x matmul weights + 6 x seq x dim per block, head, embedding). MoE: a token
+    meets top_k of the n_experts experts' weights, and the router and shared expert whole."""
+    seq, dense = 64, ModelArgs(vocab_size=96, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=80)
+    model = Transformer(dense)
+    d = layout_for(model).dims(model)
+    assert flops_per_token(model, layout_for(model), seq) == pytest.approx(
+        3 * cost.block_flops(d, seq) + cost.head_flops(d) + cost.embed_flops(d)
+    )
+    moe_args = ModelArgs(**{**vars(dense), "n_experts": 8, "top_k": 2, "moe_ffn_dim": 24, "n_shared_experts": 1})
+    moe = Transformer(moe_args)
+    attn = 32 * 8 * (2 * 4 + 2 * 2)  # wq, wo [32, 32]; wk, wv [16, 32]
+    per_block = 6 * (attn + 32 * 8 + 3 * 32 * 24 + 2 / 8 * 8 * 3 * 32 * 24) + 6 * seq * 32  # router, shared, experts
+    expected = 3 * per_block + cost.head_flops(d) + cost.embed_flops(d)
+    assert flops_per_token(moe, layout_for(moe), seq) == pytest.approx(expected)
 
 
 def test_tensorboard_gets_the_logged_rows_scalars_beside_the_jsonl(tmp_path, capsys):

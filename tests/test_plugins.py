@@ -81,7 +81,7 @@ dim = 32
 n_layers = 4
 n_heads = 1
 n_kv_heads = 1
-ffn_dim = 64
+hidden = 48
 [parallel]
 pp = 2
 dp_shard = 2

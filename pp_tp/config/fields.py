@@ -28,9 +28,10 @@ def checked(section: str, obj: Section) -> Section:
         f.name: _typed(f"{section}.{toml_key(f.name)}", getattr(obj, f.name), types_[f.name]) for f in fields(obj)
     }
     for key, low, inclusive in BOUNDS.get(section, ()):
-        _check_bound(f"{section}.{key}", values[key], low, inclusive)
+        if key in values:  # a model kind's own section is checked under "model" too, with its own bounds
+            _check_bound(f"{section}.{key}", values[key], low, inclusive)
     for key, choices in _choices(section).items():
-        if isinstance(values[key], str) and values[key] not in choices:
+        if isinstance(values.get(key), str) and values[key] not in choices:
             raise ConfigError(
                 f"{section}.{key} = {values[key]!r} is not one of {', '.join(choices)}"
                 f"{did_you_mean(values[key], choices, repr)}; set {section}.{key} to one of them"
@@ -66,6 +67,8 @@ def _typed(key: str, value: Any, hint: Any) -> Any:
 def _matches(value: Any, hint: Any) -> bool:
     """isinstance against a field annotation: unions, list[...], bool is not an int, int passes as float."""
     origin = typing.get_origin(hint)
+    if hint is Any:
+        return True
     if origin in (typing.Union, types.UnionType):
         return any(_matches(value, arg) for arg in typing.get_args(hint))
     if origin is list:

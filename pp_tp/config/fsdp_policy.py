@@ -32,8 +32,9 @@ KEYS = ("fsdp_reshard_after_forward", "fsdp_grad_reduce")
 
 
 def uses_fsdp(pcfg: ParallelConfig) -> bool:
-    """FSDP wraps the stages when there is data parallelism or bf16 mixed precision (FSDP's policy casts)."""
-    return pcfg.dp > 1 or pcfg.mixed_precision == "bf16"
+    """FSDP wraps the stages when there is data or context parallelism (cp ranks hold the same parameters, FSDP over
+    dp_shard x cp sums their gradients) or bf16 mixed precision (FSDP's policy casts)."""
+    return pcfg.dp > 1 or pcfg.cp > 1 or pcfg.mixed_precision == "bf16"
 
 
 def per_rank(value: str | int | list[str | int], pp: int) -> list[str | int]:

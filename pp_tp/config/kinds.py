@@ -25,11 +25,13 @@ def resolve(target: Callable[..., Any] | str) -> Callable[..., Any]:
 @dataclass(frozen=True)
 class ModelKind:
     """One `model.kind`: `build(model_config, device) -> nn.Module` (the [model] keys it reads, on any device, meta
-    included) and `data`: the `data.source` a model that is not a language model trains on (None: a language model
-    on token data, trained on its token loss)."""
+    included); `data`: the `data.source` a model that is not a language model trains on (None: a language model
+    on token data, trained on its token loss); `section`: a dataclass of the kind's own [model] keys (defaults for
+    each; its `check()`, if any, raises ConfigError on a bad value), held as `model_config.options`."""
 
     build: Callable[..., Any] | str
     data: str | None = None
+    section: type | None = None
 
 
 @dataclass(frozen=True)

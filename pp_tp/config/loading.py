@@ -8,7 +8,8 @@ from dataclasses import fields
 from typing import Any
 
 from pp_tp.config.fields import Section, did_you_mean, hints, toml_key, toml_value
-from pp_tp.config.schema import JobConfig
+from pp_tp.config.kinds import MODEL_KINDS
+from pp_tp.config.schema import JobConfig, ModelConfig
 from pp_tp.config.validate import validate
 from pp_tp.errors import ConfigError
 
@@ -36,13 +37,16 @@ def config_from_dict(d: dict[str, Any], world_size: int | None = None) -> JobCon
                 f"unknown section [{name}]{did_you_mean(name, sections, '[{}]'.format)}; "
                 f"use one of {', '.join(f'[{s}]' for s in sections)}"
             )
-    built = {name: _section(name, cls, _table(d, name)) for name, cls in sections.items()}
-    return validate(JobConfig(**built), world_size)
+    built = {name: _section(name, cls, _table(d, name)) for name, cls in sections.items() if name != "model"}
+    return validate(JobConfig(model=_model_section(_table(d, "model")), **built), world_size)
 
 
 def config_to_dict(cfg: JobConfig) -> dict[str, dict[str, Any]]:
-    """Plain nested dicts, one per TOML section, keyed as in TOML (None stands for an unset optional key)."""
-    return {name: {toml_key(k): v for k, v in table.items()} for name, table in dataclasses.asdict(cfg).items()}
+    """Plain nested dicts, one per TOML section, keyed as in TOML (None stands for an unset optional key); the
+    model kind's own keys sit in [model] beside the common ones, as in the file."""
+    out = {name: {toml_key(k): v for k, v in table.items()} for name, table in dataclasses.asdict(cfg).items()}
+    out["model"].update(out["model"].pop("options") or {})
+    return out
 
 
 def format_config(cfg: JobConfig) -> str:
@@ -86,12 +90,25 @@ def _table(d: dict[str, Any], name: str) -> dict[str, Any]:
     return table
 
 
-def _section(name: str, cls: type[Section], table: dict[str, Any]) -> Section:
-    known = {toml_key(f.name): f.name for f in fields(cls)}
+def _section(name: str, cls: type[Section], table: dict[str, Any], also: tuple[str, ...] = ()) -> Section:
+    """One TOML table as its dataclass; `also`: keys taken elsewhere (a model kind's own), named in the refusal."""
+    known = {toml_key(f.name): f.name for f in fields(cls) if f.metadata.get("toml", True)}
     for key in table:
         if key not in known:
+            takes = [*known, *also]
             raise ConfigError(
-                f"unknown key {name}.{key}{did_you_mean(key, known, (name + '.{}').format)}; "
-                f"[{name}] takes {', '.join(known)}"
+                f"unknown key {name}.{key}{did_you_mean(key, takes, (name + '.{}').format)}; "
+                f"[{name}] takes {', '.join(takes)}"
             )
     return cls(**{known[key]: value for key, value in table.items()})
+
+
+def _model_section(table: dict[str, Any]) -> ModelConfig:
+    """[model]: the common keys, and the kind's own (its ModelKind.section) as `options`."""
+    name = table.get("kind", ModelConfig.kind)
+    kind = MODEL_KINDS.get(name) if isinstance(name, str) else None  # a kind of the wrong type: refused by validation
+    own = tuple(toml_key(f.name) for f in fields(kind.section)) if kind and kind.section else ()
+    model = _section("model", ModelConfig, {k: v for k, v in table.items() if k not in own}, own)
+    if not own:
+        return model
+    return dataclasses.replace(model, options=_section("model", kind.section, {k: table[k] for k in own if k in table}))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -52,20 +53,16 @@ class ModelShape:
 
 @dataclass
 class ModelConfig(ModelShape):
-    """`[model]`: the reference Transformer's shape; `kind = "hf_llama"` builds a HF LlamaForCausalLM of it;
-    `hf_path = "DIR"` builds any Hugging Face decoder LM from DIR/config.json (its shape keys then come
-    from config.json, and any given beside it must agree). `kind = "credit"` builds the CREDIT-style weather
-    model (pp_tp.models.credit) from dim, n_layers, n_heads, ffn_dim and its grid keys: `channels` variables
-    on an `image_size` x `image_size` grid cut into `patch_size` patches; `kind = "vit"` a ViT classifier
-    (pp_tp.models.vit) of the same keys, its images of `channels` channels, into `n_classes` classes."""
+    """`[model]`: the reference Transformer's shape; `kind` names a registered model kind (pp_tp/config/kinds.py:
+    the built-in "reference", "hf_llama", "credit" and "vit", or a plugin's); `hf_path = "DIR"` builds any Hugging
+    Face decoder LM from DIR/config.json (its shape keys then come from config.json, and any given beside it must
+    agree). A kind's own keys (its `ModelKind.section`, e.g. the CREDIT model's grid) sit in [model] beside these
+    and are held, checked by the kind's dataclass, in `options`."""
 
     kind: str = "reference"
     hf_path: str = ""
     seed: int = 0
-    channels: int = 4
-    image_size: int = 16
-    patch_size: int = 4
-    n_classes: int = 10
+    options: Any = field(default=None, metadata={"toml": False})  # the kind's own keys: its section's instance
 
 
 @dataclass
@@ -73,6 +70,7 @@ class ParallelConfig:
     pp: int = 1
     tp: int = 1
     ep: int = 1  # expert parallel: each MoE layer's experts split over ep ranks carved out of dp_shard
+    cp: int = 1  # context parallel: each sequence split over cp ranks (head-tail chunks); FSDP over dp_shard x cp
     dp_replicate: int = 1
     dp_shard: int = -1
     schedule: str = "1F1B"
@@ -107,8 +105,8 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        """The ranks the four degrees make; with dp_shard = -1 (the rest of the world) the fewest, dp_shard = 1."""
-        return self.pp * self.dp_replicate * max(self.dp_shard, 1) * self.tp
+        """The ranks the degrees make; with dp_shard = -1 (the rest of the world) the fewest, dp_shard = 1."""
+        return self.pp * self.dp_replicate * max(self.dp_shard, 1) * self.cp * self.tp
 
     @property
     def num_stages(self) -> int:
@@ -246,12 +244,8 @@ BOUNDS: dict[str, tuple[tuple[str, float, bool], ...]] = {
                 "n_kv_heads",
                 "ffn_dim",
                 "max_seq_len",
-                "channels",
-                "image_size",
-                "patch_size",
             )
         ),  # fmt: skip
-        ("n_classes", 2, True),
         *((k, 1, True) for k in ("top_k", "moe_ffn_dim", "moe_every")),
         ("n_experts", 0, True),
         ("n_shared_experts", 0, True),
@@ -260,6 +254,7 @@ BOUNDS: dict[str, tuple[tuple[str, float, bool], ...]] = {
         ("pp", 1, True),
         ("tp", 1, True),
         ("ep", 1, True),
+        ("cp", 1, True),
         ("dp_replicate", 1, True),
         ("microbatches", 1, True),
         ("stages_per_rank", 1, True),

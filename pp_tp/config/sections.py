@@ -1,10 +1,12 @@
-"""Cross-key checks of the `[data]`, `[validation]` and `[checkpoint]` sections, the `[model]` experts keys and the
-jobs of models that are not language models (kept apart from validate.py, which is near its size limit). What needs
-the files themselves (globs matching nothing, sizes, token ids, columns) is checked when the source opens
-(`pp_tp.train.sources.make_source`, run by `pp-tp check` and by every rank before any collective)."""
+"""Cross-key checks of the `[data]`, `[validation]` and `[checkpoint]` sections, the `[model]` experts keys,
+context parallel (`parallel.cp`) and the jobs of models that are not language models (kept apart from validate.py,
+which is near its size limit). What needs the files themselves (globs matching nothing, sizes, token ids, columns)
+is checked when the source opens (`pp_tp.train.sources.make_source`, run by `pp-tp check` and by every rank before
+any collective)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from pp_tp.config.fields import checked
@@ -17,10 +19,12 @@ from pp_tp.config.schema import (
     ModelConfig,
     ModelShape,
     MoEConfig,
+    ParallelConfig,
     ValidationConfig,
     async_save_allowed,
 )
 from pp_tp.errors import ConfigError
+from pp_tp.schedules.registry import get_schedule_spec, is_csv_schedule
 
 
 def check_validation(v: ValidationConfig, data: DataConfig) -> ValidationConfig:
@@ -93,6 +97,20 @@ def check_balancing_keys(moe: MoEConfig) -> MoEConfig:
     return checked("moe", moe)
 
 
+def check_model_kind(model: ModelConfig) -> ModelConfig:
+    """The kind's own keys (its ModelKind.section): defaults where the config was built in code, type-checked like
+    any [model] key, then the section's own rules (its `check()`)."""
+    section = MODEL_KINDS[model.kind].section if model.kind in MODEL_KINDS else None
+    options = section() if section is not None and model.options is None else model.options
+    if not (options is None if section is None else isinstance(options, section)):
+        want = f"a {section.__name__}" if section else "None (the kind has no keys of its own)"
+        raise ConfigError(f"model.options = {options!r} for model.kind = {model.kind!r}: pass {want}")
+    if section is not None:
+        options = checked("model", options)
+        getattr(options, "check", lambda: None)()
+    return dataclasses.replace(model, options=options)
+
+
 def check_non_lm_job(cfg: JobConfig) -> None:
     """A model that is not a language model (its ModelKind names its `data`: CREDIT on gridded fields, the ViT on
     labelled images) reads its own data and only it does, and only such a model takes a training.loss; its image
@@ -111,11 +129,6 @@ def check_non_lm_job(cfg: JobConfig) -> None:
             f"training.loss = {cfg.training.loss!r} is for models that are not language models (model.kind = "
             f"{' or '.join(repr(k) for k in non_lm)}); a language model trains on its token loss, so drop "
             "training.loss"
-        )
-    if own and m.image_size % m.patch_size:
-        raise ConfigError(
-            f"model.image_size = {m.image_size} is not divisible by model.patch_size = {m.patch_size}; "
-            "pick a patch size dividing the grid"
         )
     if own and m.dim % m.n_heads:
         raise ConfigError(f"model.dim = {m.dim} is not divisible by model.n_heads = {m.n_heads}; change either")
@@ -157,3 +170,54 @@ def check_data(d: DataConfig) -> DataConfig:
             "data.document_mask = true splits documents at the EOS token: set data.eos_id to the id that ends one"
         )
     return d
+
+
+def check_context_parallel(p: ParallelConfig) -> None:
+    """`[parallel]` under context parallel: what pp_tp runs exactly with cp > 1 (docs/design.md, "Context
+    parallel"); everything else refused in one line."""
+    if p.cp == 1:
+        return
+    refused = [
+        (p.ep > 1, f"parallel.ep = {p.ep}", "expert parallel", "set parallel.ep = 1"),
+        (p.dp_replicate > 1, f"parallel.dp_replicate = {p.dp_replicate}", "HSDP", "use parallel.dp_shard instead"),
+        (p.compile, "parallel.compile = true", "compiled blocks", "set parallel.compile = false"),
+        (
+            p.activation_checkpoint != "none",
+            f"parallel.activation_checkpoint = {p.activation_checkpoint!r}",
+            "recomputing the K/V all-gather (untested)",
+            'set parallel.activation_checkpoint = "none"',
+        ),
+        (
+            is_csv_schedule(p.schedule) or get_schedule_spec(p.schedule).splits_weight_grad,
+            f"parallel.schedule = {p.schedule!r}",
+            "CSV and split-backward schedules",
+            'use "GPipe", "1F1B", "Interleaved1F1B" or "LoopedBFS"',
+        ),
+    ]
+    for bad, key, what, fix in refused:
+        if bad:
+            raise ConfigError(f"{key} with parallel.cp = {p.cp}: {what} under context parallel is not supported; {fix}")
+
+
+def check_context_parallel_job(cfg: JobConfig) -> None:
+    """The job under context parallel: whole head-tail chunks per cp rank, a language model on plain causal
+    sequences (packed-document masks under cp are not built yet)."""
+    cp = cfg.parallel.cp
+    if cp == 1:
+        return
+    if cfg.training.seq_len % (2 * cp):
+        raise ConfigError(
+            f"training.seq_len = {cfg.training.seq_len} is not divisible by 2 * parallel.cp = {2 * cp} (each cp rank "
+            f"holds two of {2 * cp} equal chunks); use a multiple of {2 * cp}"
+        )
+    if cfg.data.document_mask:
+        raise ConfigError(
+            f"data.document_mask = true with parallel.cp = {cp}: document masks under context parallel are not "
+            "supported; set data.document_mask = false or parallel.cp = 1"
+        )
+    kind = MODEL_KINDS.get(cfg.model.kind)
+    if (kind is not None and kind.data) or cfg.training.loss:
+        raise ConfigError(
+            f"parallel.cp = {cp} splits token sequences; model.kind = {cfg.model.kind!r} is not a language model, "
+            "so set parallel.cp = 1"
+        )

@@ -11,7 +11,10 @@ from pp_tp.config.schema import SPLIT_ARGS, JobConfig, ParallelConfig, TrainingC
 from pp_tp.config.sections import (
     check_balancing_keys,
     check_checkpoint,
+    check_context_parallel,
+    check_context_parallel_job,
     check_data,
+    check_model_kind,
     check_moe,
     check_non_lm_job,
     check_validation,
@@ -30,7 +33,7 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> JobConfig:
     raises ConfigError with one line naming the key, the value and the fix.
     """
     parallel = resolve_parallel(cfg.parallel, world_size)
-    model = checked("model", cfg.model)
+    model = check_model_kind(checked("model", cfg.model))
     check_moe(model)
     job = JobConfig(
         model=model,
@@ -42,6 +45,7 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> JobConfig:
         moe=check_balancing_keys(cfg.moe),
     )
     check_non_lm_job(job)  # across sections, on type-checked values
+    check_context_parallel_job(job)
     return job
 
 
@@ -63,6 +67,7 @@ def resolve_parallel(pcfg: ParallelConfig, world_size: int | None = None) -> Par
     check_policy_keys(p)
     _check_grad_accum(p)
     check_schedule(p.pp, p.stages_per_rank, p.microbatches, p.schedule, schedule_reshard(p))
+    check_context_parallel(p)
     _check_split_lists(p)
     return p
 
@@ -71,7 +76,7 @@ def _world_size(p: ParallelConfig, world_size: int | None) -> int:
     if world_size is None:
         env = os.environ.get("WORLD_SIZE")
         if env is None:
-            return p.pp * p.tp * p.dp_replicate * max(p.dp_shard, 1)
+            return p.pp * p.tp * p.dp_replicate * max(p.dp_shard, 1) * p.cp
         if not env.strip().isdigit():
             raise ConfigError(
                 f"environment WORLD_SIZE = {env!r} is not an integer; unset it or set it to the number of ranks"
@@ -84,8 +89,9 @@ def _world_size(p: ParallelConfig, world_size: int | None) -> int:
 
 def resolve_dp_shard(p: ParallelConfig, world: int) -> int:
     """dp_shard for a world of `world` ranks (-1: the rest); refuses degrees whose product is not the world."""
-    others = p.pp * p.tp * p.dp_replicate
-    degrees = f"pp*tp*dp_replicate = {p.pp}*{p.tp}*{p.dp_replicate} = {others}"
+    others = p.pp * p.tp * p.dp_replicate * p.cp
+    cp_name, cp_value = ("*cp", f"*{p.cp}") if p.cp > 1 else ("", "")
+    degrees = f"pp*tp*dp_replicate{cp_name} = {p.pp}*{p.tp}*{p.dp_replicate}{cp_value} = {others}"
     if p.dp_shard == -1:
         if world % others:
             raise ConfigError(

@@ -11,15 +11,17 @@ Register them here, or ship them as `pp_tp.model_layouts` / `pp_tp.schedules` / 
 
 from pp_tp.base.seeded_init import default_init_std, seeded_value
 from pp_tp.config.kinds import DataSource, ModelKind, register_data_source, register_model_kind
-from pp_tp.layout import ModelDims, ModelLayout, blocks_layout, layout_for, register_layout
+from pp_tp.layout import ExpertsSpec, ModelDims, ModelLayout, PackedSwiGLU, blocks_layout, layout_for, register_layout
 from pp_tp.parallel.tp_styles import TPStyle, register_tp_style
 from pp_tp.schedules.registry import ScheduleSpec, register_schedule
 
 __all__ = [
     "DataSource",
+    "ExpertsSpec",
     "ModelDims",
     "ModelKind",
     "ModelLayout",
+    "PackedSwiGLU",
     "ScheduleSpec",
     "TPStyle",
     "blocks_layout",

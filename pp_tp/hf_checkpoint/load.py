@@ -1,5 +1,5 @@
-"""Fills one stage's (TP/FSDP-sharded) parameters and its persistent buffers from an HF checkpoint, reading only
-this rank's slices.
+"""Fills one stage's (TP/FSDP/EP-sharded) parameters and its persistent buffers from an HF checkpoint, reading only
+this rank's slices (of a packed expert tensor: only its experts' on-disk tensors, `views.read_box`).
 
 torch's `HuggingFaceStorageReader` reads the same `get_slice` blocks, but only inside `dcp.load`, whose
 global planning is a collective and whose copy casts dtypes implicitly; reading the blocks here keeps every
@@ -16,6 +16,7 @@ import torch
 from pp_tp.base._torch import local_index_runs, local_shape_and_offset, local_tensor
 from pp_tp.base.tensors import persistent_buffers
 from pp_tp.hf_checkpoint.source import HFSource
+from pp_tp.hf_checkpoint.views import View, leaves
 from pp_tp.stages.stage_module import StageModule
 
 
@@ -34,25 +35,31 @@ def load_stage(stage: StageModule, source: HFSource, casts: Counter | None = Non
             raise RuntimeError(f"{name}: local shard {tuple(local.shape)} is not the block {shape} torch computes")
         if local.numel() == 0:
             continue
-        entry = source.entries[key]
-        if casts is not None and entry.dtype != local.dtype:
-            casts[f"{entry.dtype} -> {local.dtype}".replace("torch.", "")] += 1
-        local.copy_(_read_block(source, key, p, offset, shape, local.dtype))
+        if casts is not None:
+            _count(casts, source.views[key], local.dtype)
+        _read_block(source, key, p, offset, local)
     for key, b in persistent_buffers(stage).items():
-        b.copy_(source.read(key, (0,) * b.dim(), tuple(b.shape), b.dtype))
+        source.read_into(key, (0,) * b.dim(), b)
 
 
-def _read_block(
-    source: HFSource, key: str, p: torch.Tensor, offset: tuple[int, ...], shape: tuple[int, ...], dtype: torch.dtype
-) -> torch.Tensor:
-    """This rank's block of `key`: one box at `offset`, or for a parameter split per part (`_StridedShard`) the
-    boxes of its index runs, assembled in local order."""
+def _count(casts: Counter, view: View, dtype: torch.dtype) -> None:
+    """One count per parameter whose stored dtype differs (block FP8 counted as dequantized)."""
+    stored = {(leaf.dtype, leaf.scale is not None) for leaf in leaves(view)}
+    for src, scaled in sorted(stored, key=str):
+        if scaled:
+            casts[f"{src} (block fp8, dequantized) -> {dtype}".replace("torch.", "")] += 1
+        elif src != dtype:
+            casts[f"{src} -> {dtype}".replace("torch.", "")] += 1
+
+
+def _read_block(source: HFSource, key: str, p: torch.Tensor, offset: tuple[int, ...], out: torch.Tensor) -> None:
+    """Reads this rank's block of `key` into `out` (its local shard): one box at `offset`, or for a parameter split
+    per part (`_StridedShard`) the boxes of its index runs, each into its place in local order."""
     runs = local_index_runs(p)
     if runs is None:
-        return source.read(key, offset, shape, dtype)
-    out = torch.empty(shape, dtype=dtype)
+        source.read_into(key, offset, out)
+        return
     starts = [list(itertools.accumulate((n for _, n in dim_runs), initial=0)) for dim_runs in runs]
     for box in itertools.product(*(list(enumerate(dim_runs)) for dim_runs in runs)):
         where = tuple(slice(starts[d][i], starts[d][i] + n) for d, (i, (_, n)) in enumerate(box))
-        out[where] = source.read(key, tuple(s for _, (s, _) in box), tuple(n for _, (_, n) in box), dtype)
-    return out
+        source.read_into(key, tuple(s for _, (s, _) in box), out[where])

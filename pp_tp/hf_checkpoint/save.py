@@ -1,6 +1,8 @@
 """`Pipeline.save_pretrained`: an HF-format directory that `AutoModelForCausalLM.from_pretrained` loads.
 
-Each pp rank writes the files of its own stages (its rank at dp/tp coordinate 0 writes; its peers only help
+MoE experts are written in the layout the family's `from_pretrained` reads (per expert where that is the published
+format): transformers' own reverse conversion (`conversion.Reverter`), one model tensor at a time. Each pp rank
+writes the files of its own stages (its rank at dp/tp coordinate 0 writes; its peers only help
 assemble full tensors from TP/FSDP shards, one tensor at a time), so no rank ever holds the whole model:
 the most a writer holds is one file (`max_shard_size`). File numbers come from one `all_gather_object` of
 every writer's file plan; rank 0 writes the index, config.json and generation_config.json.
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import re
 import shutil
@@ -21,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from pp_tp.base.tensors import full_tensor, persistent_buffers
 from pp_tp.errors import ConfigError
+from pp_tp.hf_checkpoint.conversion import Reverter
 from pp_tp.hf_checkpoint.source import INDEX, SINGLE
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -58,12 +62,13 @@ def _stored(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
     return dtype if dtype is not None and t.is_floating_point() else t.dtype
 
 
-def _plan_files(owned: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None, max_bytes: int) -> list[list[str]]:
-    """Keys grouped into files of at most `max_bytes` (a bigger tensor gets a file of its own)."""
+def _plan_files(owned: list[tuple[str, torch.Tensor]], sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
+    """Model keys grouped into files of at most `max_bytes` written (a bigger tensor gets a file of its own);
+    `sizes`: the bytes each model key writes (all its on-disk tensors)."""
     files: list[list[str]] = []
     size = 0
-    for key, p in owned:
-        n = p.numel() * _stored(p, dtype).itemsize
+    for key, _ in owned:
+        n = sizes[key]
         if not files or (size + n > max_bytes and files[-1]):
             files.append([])
             size = 0
@@ -72,8 +77,20 @@ def _plan_files(owned: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None
     return [f for f in files if f]
 
 
+def _disk_plan(owned, reverter: Reverter, dtype) -> tuple[dict[str, dict[str, tuple]], dict[str, int], str | None]:
+    """(model key -> {on-disk key: shape}, model key -> bytes written, the refusal if any): transformers' reverse
+    conversion of every owned tensor (per expert where that is the published format)."""
+    try:
+        disk = reverter.plan((key, tuple(p.shape), _stored(p, dtype)) for key, p in owned)
+    except ConfigError as e:
+        return {}, {}, str(e)
+    item = {key: _stored(p, dtype).itemsize for key, p in owned}
+    return disk, {k: sum(math.prod(s) for s in d.values()) * item[k] for k, d in disk.items()}, None
+
+
 def _is_writer(mesh: DeviceMesh) -> bool:
-    return all(mesh.get_local_rank(d) == 0 for d in ("dp_replicate", "dp_shard", "tp"))
+    """Coordinate 0 of every dim but pp writes its pp rank's files (cp ranks hold the same parameters, as dp's do)."""
+    return all(mesh.get_local_rank(d) == 0 for d in mesh.mesh_dim_names if d != "pp")
 
 
 def _file_names(plans: list[tuple[int, list[list[str]]]]) -> dict[int, list[str]]:
@@ -89,7 +106,8 @@ def _file_names(plans: list[tuple[int, list[list[str]]]]) -> dict[int, list[str]
 
 
 def _write_metadata(path: str, plans, names, sizes: int, config, source_dir: str | None, dtype) -> None:
-    """Rank 0: the index (when sharded), config.json, and the source's generation_config.json."""
+    """Rank 0: the index (when sharded), config.json (the weights are written dequantized), and the source's
+    generation_config.json."""
     weight_map = {k: n for pp, files in plans for keys, n in zip(files, names[pp]) for k in keys}
     if len(set(weight_map.values())) > 1:
         with open(os.path.join(path, INDEX), "w") as f:
@@ -97,6 +115,8 @@ def _write_metadata(path: str, plans, names, sizes: int, config, source_dir: str
     if config is not None:
         config = copy.deepcopy(config)
         config.dtype = dtype
+        if getattr(config, "quantization_config", None) is not None:
+            del config.quantization_config
         config.save_pretrained(path)
     gen = os.path.join(source_dir or "", "generation_config.json")
     if source_dir and os.path.isfile(gen):
@@ -129,13 +149,20 @@ def save_pretrained(
 
     max_bytes = parse_size(max_shard_size)
     owned = _owned(parts)
-    files = _plan_files(owned, dtype, max_bytes)
+    reverter = Reverter(config)
+    disk, sizes_of, refusal = _disk_plan(owned, reverter, dtype)
+    files = _plan_files(owned, sizes_of, max_bytes) if refusal is None else []
     writer = _is_writer(mesh)
+    plans: list = [None] * dist.get_world_size()
+    disk_files = [[n for k in keys for n in disk[k]] for keys in files]
+    mine = (mesh.get_local_rank("pp"), disk_files, sum(sizes_of.values()), refusal)
+    dist.all_gather_object(plans, mine if writer or refusal else None)
+    refusals = [p[3] for p in plans if p is not None and p[3]]
+    if refusals:  # every rank refuses together, with the lowest refusing rank's line
+        raise ConfigError(refusals[0])
     if dist.get_rank() == 0:
         _clear(path)
-    plans: list = [None] * dist.get_world_size()
-    nbytes = sum(p.numel() * _stored(p, dtype).itemsize for _, p in owned)
-    dist.all_gather_object(plans, (mesh.get_local_rank("pp"), files, nbytes) if writer else None)
+    dist.barrier()
     sizes = sum(p[2] for p in plans if p is not None)
     plans = [p[:2] for p in plans if p is not None]
     names = _file_names(plans)[mesh.get_local_rank("pp")]
@@ -143,9 +170,10 @@ def save_pretrained(
     for keys, name in zip(files, names):
         tensors = {}
         for key in keys:  # every rank of this pp rank gathers in the same order; only the writer keeps it
-            full = full_tensor(params[key].detach()).to(_stored(params[key], dtype)).contiguous()
+            full = full_tensor(params[key].detach()).to(_stored(params[key], dtype))
             if writer:
-                tensors[key] = full
+                tensors.update({k: t.contiguous() for k, t in reverter.convert(key, full).items()})
+            del full
         if writer:
             save_file(tensors, os.path.join(path, name), metadata={"format": "pt"})
     if dist.get_rank() == 0:

@@ -6,6 +6,7 @@ slice asked for). Every check runs on every rank before any collective, so a bad
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass
@@ -15,6 +16,10 @@ from torch import nn
 
 from pp_tp.base.tensors import persistent_buffers
 from pp_tp.errors import ConfigError
+from pp_tp.hf_checkpoint.conversion import build_views
+from pp_tp.hf_checkpoint.quantized import dequantize, pair_scales, quantization, scale_box
+from pp_tp.hf_checkpoint.views import Leaf, View, read_box
+from pp_tp.hf_checkpoint.views import leaves as leaves_of
 from pp_tp.stages.stage_module import canonical_names
 
 SINGLE = "model.safetensors"
@@ -23,6 +28,7 @@ INDEX = "model.safetensors.index.json"
 # safetensors dtype names -> torch dtypes: floating point (weights, float buffers) and integers (int buffers).
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
 }  # fmt: skip
 
@@ -56,13 +62,16 @@ def _files(path: str) -> list[str]:
 
 
 class HFSource:
-    """The tensors of an HF directory by key; `read` returns one slice, cast explicitly to the asked dtype."""
+    """The tensors of an HF directory: `entries` by on-disk key (from the file headers), `views` by model key once
+    checked against a model (`open_checked`); `read` returns one block of a model tensor, cast explicitly."""
 
     def __init__(self, path: str):
         from safetensors import safe_open
 
         self.path = path
         self.entries: dict[str, Entry] = {}
+        self.views: dict[str, View] = {}
+        self.quantization = quantization(path)
         for name in _files(path):
             file = os.path.join(path, name)
             if not os.path.isfile(file):
@@ -74,23 +83,57 @@ class HFSource:
                     if dtype is None:
                         raise ConfigError(
                             f"checkpoint {file}: {key!r} has dtype {sl.get_dtype()}, which pp_tp cannot read; "
-                            "store weights as F32, BF16 or F16 (integer buffers as I64, I32, I16, I8, U8 or BOOL)"
+                            "store weights as F32, BF16, F16 or block FP8 (integer buffers as I64, I32, I16, I8, U8 "
+                            "or BOOL)"
                         )
                     self.entries[key] = Entry(file, tuple(sl.get_shape()), dtype)
 
     def read(self, key: str, offset: tuple[int, ...], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """The block of `key` at `offset` of size `shape`, converted to `dtype` (the one explicit cast).
+        """The block of model tensor `key` at `offset` of size `shape`, in `dtype` (`read_into` a new tensor)."""
+        out = torch.empty(shape, dtype=dtype)
+        self.read_into(key, offset, out)
+        return out
 
-        The file is mapped for this one read: pages of a mapping stay in the resident set while it is open,
-        so keeping files open would count every block read so far twice (mapped and copied).
+    def read_into(self, key: str, offset: tuple[int, ...], out: torch.Tensor) -> None:
+        """Fills `out` with the block of model tensor `key` at `offset`, converted to out's dtype (the one explicit
+        cast; block FP8 is dequantized here), reading only the on-disk bytes inside the block.
+
+        Files are mapped for this one read: pages of a mapping stay in the resident set while it is open, so
+        keeping files open would count every block read so far twice (mapped and copied).
         """
+        with _OpenFiles() as files:
+            read_box(self.views[key], offset, out, lambda *a: self._leaf(files, *a))
+
+    def _leaf(self, files, leaf: Leaf, offset: tuple[int, ...], out: torch.Tensor) -> None:
+        shape = tuple(out.shape)
+        block = files.block(leaf.file, leaf.key, offset, shape)
+        if leaf.scale is not None:
+            scale_offset, scale_shape = scale_box(offset, shape, leaf.block)
+            scale = files.block(leaf.scale.file, leaf.scale.key, scale_offset, scale_shape)
+            block = dequantize(block, scale, offset, leaf.block, out.dtype)
+        out.copy_(block.to(out.dtype))
+
+
+class _OpenFiles:
+    """The safetensors files one read maps, closed together when it ends."""
+
+    def __enter__(self):
+        self.stack = contextlib.ExitStack()
+        self.open: dict = {}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stack.close()
+
+    def block(self, file: str, key: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
         from safetensors import safe_open
 
-        with safe_open(self.entries[key].file, framework="pt") as f:
-            if not shape:  # a 0-dim tensor (a scalar buffer) cannot be sliced
-                return f.get_tensor(key).to(dtype)
-            block = f.get_slice(key)[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
-        return block.to(dtype)
+        if file not in self.open:
+            self.open[file] = self.stack.enter_context(safe_open(file, framework="pt"))
+        f = self.open[file]
+        if not shape:  # a 0-dim tensor (a scalar buffer) cannot be sliced
+            return f.get_tensor(key)
+        return f.get_slice(key)[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
 
 def model_keys(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
@@ -102,30 +145,38 @@ def model_keys(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], dict[str, 
 
 
 def check(source: HFSource, model: nn.Module) -> None:
-    """Missing, unexpected or wrongly shaped keys of `source` for `model`: one ConfigError naming the first."""
+    """Maps the on-disk keys to `model`'s through transformers' conversions (`source.views`) and refuses missing,
+    unexpected or wrongly shaped keys, a missing expert, an FP8 weight without its scale: one ConfigError each."""
     shapes, aliases = model_keys(model)
+    known = {**shapes, **{a: shapes[k] for a, k in aliases.items() if k in shapes}}
+    leaves = {k: Leaf(k, e.file, e.shape, e.dtype) for k, e in source.entries.items()}
+    leaves = pair_scales(source.path, leaves, source.quantization)
+    source.views, unused = build_views(source.path, leaves, model, known)
     weights = {name for name, _ in model.named_parameters(remove_duplicate=False)}  # float only; buffers any dtype
     what = type(model).__name__
-    missing = [k for k in shapes if k not in source.entries]
+    missing = [k for k in shapes if k not in source.views]
     if missing:
         raise ConfigError(
             f"checkpoint {source.path!r} is missing {missing[0]!r} ({len(missing)} of {len(shapes)} keys missing); "
             f"give the weights of this {what} (its config.json must match them)"
         )
-    for key, e in source.entries.items():
-        if key not in shapes and key not in aliases:
+    if unused:
+        raise ConfigError(
+            f"checkpoint {source.entries[unused[0]].file}: unexpected key {unused[0]!r}, not a parameter or "
+            f"persistent buffer of {what}; give the weights of this model (its config.json must match them)"
+        )
+    for key, view in source.views.items():
+        for leaf in leaves_of(view):
+            if key in weights and not leaf.dtype.is_floating_point:
+                raise ConfigError(
+                    f"checkpoint {leaf.file}: {leaf.key!r} has dtype {leaf.dtype}, not a float type; store weights "
+                    "as F32, BF16 or F16"
+                )
+        want = known[key]
+        if tuple(view.shape) != want:
+            where = f"{view.file}: {key!r}" if isinstance(view, Leaf) else f"{source.path!r}: {key!r} (converted)"
             raise ConfigError(
-                f"checkpoint {e.file}: unexpected key {key!r}, not a parameter or persistent buffer of {what}; "
-                "give the weights of this model (its config.json must match them)"
-            )
-        if key in weights and not e.dtype.is_floating_point:
-            raise ConfigError(
-                f"checkpoint {e.file}: {key!r} has dtype {e.dtype}, not a float type; store weights as F32, BF16 or F16"
-            )
-        want = shapes.get(aliases.get(key, key))
-        if want is not None and e.shape != want:
-            raise ConfigError(
-                f"checkpoint {e.file}: {key!r} has shape {e.shape}, the model needs {want}; "
+                f"checkpoint {where} has shape {tuple(view.shape)}, the model needs {want}; "
                 "check config.json against the weights"
             )
 

@@ -1,5 +1,6 @@
 """The model abstraction the core sees: where a model's embedding, blocks, norm and head live, and its registry."""
 
+from pp_tp.layout.experts import ExpertsSpec, PackedSwiGLU
 from pp_tp.layout.model_layout import (
     ModelDims,
     ModelLayout,
@@ -9,4 +10,13 @@ from pp_tp.layout.model_layout import (
     register_layout,
 )
 
-__all__ = ["ModelDims", "ModelLayout", "blocks_layout", "check_document_mask", "layout_for", "register_layout"]
+__all__ = [
+    "ExpertsSpec",
+    "ModelDims",
+    "ModelLayout",
+    "PackedSwiGLU",
+    "blocks_layout",
+    "check_document_mask",
+    "layout_for",
+    "register_layout",
+]

@@ -16,6 +16,7 @@ from torch import nn
 
 from pp_tp.base.seeded_init import InitStd, default_init_std
 from pp_tp.errors import ConfigError
+from pp_tp.layout.experts import ExpertsSpec
 
 
 @dataclass(frozen=True)
@@ -55,20 +56,8 @@ class ModelLayout:
     on the hidden state right after the embedding / right before the final norm; the first / last stage holds
     and runs them, with the modules around them.
     ``tp_refusal``: why this model cannot run with parallel.tp > 1 (raised in one line), or None.
-    ``experts``: block-relative names (``*`` matches one component) of mixture-of-experts experts modules: 3-D
-    parameters with the expert on dim 0, called as ``experts(hidden [T, D], top_k_index [T, k], top_k_weights
-    [T, k])`` (transformers' MoE experts), or as ``experts(tokens sorted by expert [N, D], tokens_per_expert [E])``
-    (torchtitan's grouped experts). Expert parallel (parallel.ep) splits them over the EP ranks.
-    ``routers``: block-relative names (``*`` as in ``experts``) of the MoE layers' router modules, declared only
-    where pp_tp knows their probabilities exactly: ``router(hidden [T, D]) -> (logits [T, E], top_k_weights [T, k],
-    top_k_index [T, k])`` with probabilities softmax(logits) (what the auxiliary loss reads, moe.aux_loss_coef);
-    empty: the auxiliary loss is refused.
-    ``expert_bias``: block-relative names (``*`` as in ``experts``) of per-layer fp32 expert-bias buffers [E] that
-    shift the expert choice only (DeepSeek-V3's ``e_score_correction_bias``, torchtitan's ``expert_bias_E``), moved
-    by moe.bias_update_rate: ``bias += rate * sign(mean_e(c) - c_e)``, c = that layer's tokens_per_expert over the
-    step and all DP ranks.
-    ``experts_tp``: the model declares tensor parallelism of its experts (packed gate/up split per part, down
-    row-parallel); without it parallel.tp > 1 is refused for a model with experts.
+    ``experts_spec``: the family's mixture-of-experts experts, one record (`ExpertsSpec`: modules, weights, calling
+    convention, counts, routers, expert biases), or None for a dense model; ``experts`` and ``expert_bias`` read it.
     ``specialize(model)``: for a layout that matches a whole family (e.g. every Hugging Face decoder LM), the
     layout of this one model; it may refuse the model in one line.
     ``pre`` / ``post``: for a model that is not a language model (a ViT, a weather model), the modules the first
@@ -97,10 +86,7 @@ class ModelLayout:
     specialize: Callable[[nn.Module], ModelLayout] | None = None
     tp_refusal: str | None = None
     static_block_inputs: bool = False
-    experts: tuple[str, ...] = ()
-    experts_tp: bool = False
-    routers: tuple[str, ...] = ()
-    expert_bias: tuple[str, ...] = ()
+    experts_spec: ExpertsSpec | None = None
     pre: tuple[str, ...] = ()
     post: tuple[str, ...] = ()
 
@@ -119,9 +105,23 @@ class ModelLayout:
         """The modules the last stage runs, in order, after its blocks."""
         return self.post if not self.is_lm else (self.norm, self.head)
 
+    @property
+    def experts(self) -> tuple[str, ...]:
+        """Block-relative names of the experts modules (empty: a dense model)."""
+        return self.experts_spec.modules if self.experts_spec is not None else ()
+
+    @property
+    def expert_bias(self) -> tuple[str, ...]:
+        """Block-relative names of the expert-bias buffers."""
+        return self.experts_spec.bias if self.experts_spec is not None else ()
+
     after_embed_modules: tuple[str, ...] = ()
     before_norm_modules: tuple[str, ...] = ()
     document_block_inputs: Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[Any, ...]] | None = None
+    # (stage, input_ids, position_ids or None) -> the first block's input, for a language model whose forward adds
+    # more than the embedding (learned positions: GPT-2, OPT); it replaces embed -> after_embed ->
+    # after_embed_modules in the first stage, which holds the modules it reads (named in after_embed_modules).
+    embed_call: Callable[[nn.Module, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
 
     def block_keys(self, model: nn.Module) -> list[str]:
         """The blocks' names inside the blocks container, in execution order."""

@@ -140,7 +140,8 @@ def build_local_stages(
     checkpoint: HFSource | None = None,
     casts: Counter | None = None,
 ) -> list[StageModule]:
-    """This rank's stage modules: pruned, parallelized (TP -> float8 -> AC -> compile -> FSDP), materialized, filled."""
+    """This rank's stage modules: pruned, parallelized (TP -> float8 -> AC -> compile -> FSDP), materialized, filled.
+    On the meta `device` they stay shapes only (the planner's dry run): nothing is allocated or filled."""
     stages = []
     # Both read off the model before its first stage is materialized (which replaces shared modules' tensors).
     aliases = canonical_names(model)
@@ -149,6 +150,7 @@ def build_local_stages(
         stage = StageModule(model, layout, spec, aliases)
         weights = _capture_weights(stage) if has_weights else None
         parallelize_stage(stage, mesh, pcfg, fsdp)
-        materialize(stage, model, device, seed, weights if weights is not None else state_dict, checkpoint, casts)
+        if device.type != "meta":
+            materialize(stage, model, device, seed, weights if weights is not None else state_dict, checkpoint, casts)
         stages.append(stage)
     return stages

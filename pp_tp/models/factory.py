@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -97,18 +98,53 @@ def _hf_llama(mcfg: ModelConfig, device: str | torch.device) -> nn.Module:
     return LlamaForCausalLM(cfg)
 
 
+@dataclass
+class GridKeys:
+    """The CREDIT model's own [model] keys: `channels` variables on an `image_size` x `image_size` grid cut into
+    `patch_size` patches (its width, depth and heads are the common dim, n_layers, n_heads, ffn_dim)."""
+
+    channels: int = 4
+    image_size: int = 16
+    patch_size: int = 4
+
+    def check(self) -> None:
+        for key in ("channels", "image_size", "patch_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"model.{key} = {getattr(self, key)} must be >= 1; set model.{key} >= 1")
+        if self.image_size % self.patch_size:
+            raise ConfigError(
+                f"model.image_size = {self.image_size} is not divisible by model.patch_size = {self.patch_size}; "
+                "pick a patch size dividing the grid"
+            )
+
+
+@dataclass
+class ImageKeys(GridKeys):
+    """The ViT's own [model] keys: images of `channels` channels on the grid, into `n_classes` classes."""
+
+    channels: int = 3
+    n_classes: int = 10
+
+    def check(self) -> None:
+        super().check()
+        if self.n_classes < 2:
+            raise ConfigError(f"model.n_classes = {self.n_classes} must be >= 2; set model.n_classes >= 2")
+
+
 def _credit(m: ModelConfig, device: str | torch.device) -> nn.Module:
-    """The CREDIT-style weather model on `channels` fields of an `image_size` grid in `patch_size` patches."""
-    return CreditModel(CreditArgs(m.channels, m.image_size, m.patch_size, m.dim, m.n_layers, m.n_heads, m.ffn_dim))
+    """The CREDIT-style weather model of the [model] shape on its grid."""
+    g = m.options
+    return CreditModel(CreditArgs(g.channels, g.image_size, g.patch_size, m.dim, m.n_layers, m.n_heads, m.ffn_dim))
 
 
 def _vit(m: ModelConfig, device: str | torch.device) -> nn.Module:
-    """The ViT classifier of `channels`-channel images into `n_classes` classes."""
-    args = ViTArgs(m.channels, m.image_size, m.patch_size, m.dim, m.n_layers, m.n_heads, m.ffn_dim, m.n_classes)
+    """The ViT classifier of the [model] shape on its images."""
+    g = m.options
+    args = ViTArgs(g.channels, g.image_size, g.patch_size, m.dim, m.n_layers, m.n_heads, m.ffn_dim, g.n_classes)
     return ViT(args)
 
 
 register_model_kind("reference", ModelKind(_reference))
 register_model_kind("hf_llama", ModelKind(_hf_llama))
-register_model_kind("credit", ModelKind(_credit, data="fields"))
-register_model_kind("vit", ModelKind(_vit, data="images"))
+register_model_kind("credit", ModelKind(_credit, data="fields", section=GridKeys))
+register_model_kind("vit", ModelKind(_vit, data="images", section=ImageKeys))

@@ -1,7 +1,8 @@
 """Mixture-of-experts experts inside a stage: expert parallel over mesh["ep"], TP of experts over mesh["tp"].
 
-The experts modules a layout names (`ModelLayout.experts`) keep their parameter names; their 3-D parameters
-become DTensors: Shard(0), the expert dim, over "ep" (each EP rank a contiguous block of experts), and under TP
+Everything read about a family's experts comes from its record (`ModelLayout.experts_spec`, pp_tp.layout.experts).
+The experts modules it names keep their parameter names; their parameters become DTensors: Shard on the expert
+dim over "ep" (each EP rank a contiguous block of experts), and under TP
 the packed gate/up split per part (every rank keeps matching gate and up rows; interleaved gate/up pairs by plain
 contiguous shards) and down split on its input dim; biases (GPT-OSS) follow: gate/up's like its weight, down's whole
 on every TP rank and added by one of them (pp_tp.parallel.expert_dispatch).
@@ -28,14 +29,15 @@ from torch.distributed.tensor import Placement, Replicate, Shard, distribute_ten
 from pp_tp.base._torch import StridedShard
 from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
-from pp_tp.layout import ModelLayout
+from pp_tp.layout import ExpertsSpec, ModelLayout
 from pp_tp.parallel.expert_dispatch import ExpertDispatch
 from pp_tp.parallel.tensor_parallel import matches_rule
 
-# TP of experts: the packed gate/up weight and the down weight, by name (transformers' and the reference MoE's), and
-# their biases (transformers' names).
-_GATE_UP, _DOWN = "gate_up_proj", "down_proj"
-_GATE_UP_BIAS, _DOWN_BIAS = "gate_up_proj_bias", "down_proj_bias"
+# The calling conventions (ExpertsSpec.grouped): how the experts are called, and with how many arguments.
+_CALLS = {
+    False: ("experts(hidden, top_k_index, top_k_weights)", 3),
+    True: ("experts(tokens sorted by expert, tokens_per_expert)", 2),
+}
 
 
 def experts_modules(block: nn.Module, layout: ModelLayout) -> list[tuple[str, nn.Module]]:
@@ -47,23 +49,6 @@ def moe_layers(block: nn.Module, layout: ModelLayout) -> dict[str, nn.Module]:
     """The block's MoE layers: the block-relative name of the module around each experts module ("" when the
     experts module is the block's child) -> that experts module. Routing counts and expert biases key by it."""
     return {name.rpartition(".")[0]: m for name, m in experts_modules(block, layout)}
-
-
-def grouped(module: nn.Module) -> bool:
-    """Called as experts(tokens sorted by expert, tokens_per_expert) (torchtitan), not the routed convention."""
-    return len(inspect.signature(module.forward).parameters) == 2
-
-
-def routing_counts(module: nn.Module, args: tuple, n: int) -> torch.Tensor:
-    """The routing slots per expert [n] (int64) of one call of an experts module, in either convention."""
-    if grouped(module):
-        return args[1].detach().to(torch.int64)
-    return torch.bincount(args[1].detach().reshape(-1), minlength=n)
-
-
-def n_experts(module: nn.Module) -> int:
-    """The experts an experts module holds: dim 0 of its parameters."""
-    return next(iter(module.parameters())).shape[0]
 
 
 def check_experts(model: nn.Module, layout: ModelLayout, pcfg: ParallelConfig) -> None:
@@ -79,101 +64,99 @@ def check_experts(model: nn.Module, layout: ModelLayout, pcfg: ParallelConfig) -
     if pcfg.ep > 1 and not found:
         raise ConfigError(
             f"parallel.ep = {pcfg.ep} but model {family} has no experts modules pp_tp can split (a Hugging Face "
-            "MoE declares them in base_model_ep_plan, a layout in ModelLayout.experts); set parallel.ep = 1"
+            "MoE declares them in base_model_ep_plan, a layout in ModelLayout.experts_spec); set parallel.ep = 1"
         )
+    spec = layout.experts_spec
     for fqn, module in found:
-        params = dict(module.named_parameters(recurse=False))
-        nested = len(params) != len(list(module.parameters()))
-        if not params or len({p.shape[0] for p in params.values()}) != 1 or nested:
+        _check_module(fqn, module, spec)
+        if spec.n_experts % pcfg.ep:
             raise ConfigError(
-                f"{fqn} ({type(module).__name__}) is not an experts module of packed parameters sharing the expert "
-                "dim 0; set parallel.ep = 1 and parallel.tp = 1"
-            )
-        if len(inspect.signature(module.forward).parameters) not in (2, 3):
-            raise ConfigError(
-                f"{fqn} ({type(module).__name__}) is not called as experts(hidden, top_k_index, top_k_weights) nor "
-                "experts(tokens sorted by expert, tokens_per_expert); set parallel.ep = 1 and parallel.tp = 1"
-            )
-        count = n_experts(module)
-        if count % pcfg.ep:
-            raise ConfigError(
-                f"{fqn} holds {count} experts, not divisible by parallel.ep = {pcfg.ep}; "
-                f"set parallel.ep to a divisor of {count}"
+                f"{fqn} holds {spec.n_experts} experts, not divisible by parallel.ep = {pcfg.ep}; "
+                f"set parallel.ep to a divisor of {spec.n_experts}"
             )
         if pcfg.tp > 1:
-            _check_experts_tp(family, fqn, module, layout, pcfg.tp)
+            _check_experts_tp(family, fqn, module, spec, pcfg.tp)
 
 
-def _check_experts_tp(family: str, fqn: str, module: nn.Module, layout: ModelLayout, tp: int) -> None:
-    """TP of experts only where the model declares it and the experts are plain packed SwiGLU weights."""
-    if not layout.experts_tp:
+def _check_module(fqn: str, module: nn.Module, spec: ExpertsSpec) -> None:
+    """The module is what its record says: its own parameters hold the experts on the expert dim, and its forward
+    takes the declared calling convention's arguments."""
+    params = dict(module.named_parameters(recurse=False))
+    nested = len(params) != len(list(module.parameters()))
+    d, n = spec.expert_dim, spec.n_experts
+    if not params or nested or any(p.dim() <= d or p.shape[d] != n for p in params.values()):
+        raise ConfigError(
+            f"{fqn} ({type(module).__name__}) is not an experts module of parameters holding its {n} experts on "
+            f"dim {d} (ExpertsSpec.expert_dim); set parallel.ep = 1 and parallel.tp = 1"
+        )
+    call, arity = _CALLS[spec.grouped]
+    if len(inspect.signature(module.forward).parameters) != arity:
+        raise ConfigError(
+            f"{fqn} ({type(module).__name__}) is not called as {call} (ExpertsSpec.grouped); "
+            "set parallel.ep = 1 and parallel.tp = 1"
+        )
+
+
+def _check_experts_tp(family: str, fqn: str, module: nn.Module, spec: ExpertsSpec, tp: int) -> None:
+    """TP of experts only where the model declares it, on exactly the packed SwiGLU weights its record names."""
+    if not spec.tp:
         raise ConfigError(
             f"model {family}: its experts ({fqn}) declare no tensor parallelism; set parallel.tp = 1 "
             "(parallel.ep splits experts across ranks instead)"
         )
-    biases = {_GATE_UP_BIAS, _DOWN_BIAS} if getattr(module, "has_bias", False) else set()
-    extra = sorted(set(dict(module.named_parameters(recurse=False))) - {_GATE_UP, _DOWN, *biases})
-    unusual = [
-        attr
-        for attr, plain in (("has_gate", True), ("has_post_expert_norm", False))
-        if getattr(module, attr, plain) != plain
-    ]
-    if extra or unusual or not hasattr(module, _GATE_UP) or not hasattr(module, _DOWN):
-        what = (
-            f"parameter {extra[0]!r}" if extra else f"{unusual[0]} = {getattr(module, unusual[0])}" if unusual else ""
-        )
+    w = spec.weights
+    params = set(dict(module.named_parameters(recurse=False)))
+    extra, missing = sorted(params - set(w.names)), [n for n in w.names if n not in params]
+    if extra or missing:
+        what = f"parameter {extra[0]!r}" if extra else f"no {missing[0]}"
         raise ConfigError(
-            f"{fqn} ({type(module).__name__}): TP of experts splits packed gate_up_proj and down_proj only, and this "
-            f"module differs ({what or 'missing gate_up_proj/down_proj'}); set parallel.tp = 1"
+            f"{fqn} ({type(module).__name__}): TP of experts splits packed {w.gate_up} and {w.down} only, and this "
+            f"module differs ({what}); set parallel.tp = 1"
         )
-    width = module.down_proj.shape[_feature_dim(module, _DOWN)]
+    width = getattr(module, w.down).shape[w.down_dim]
     if width % tp:
         raise ConfigError(
-            f"{fqn}.down_proj: expert hidden size {width} is not divisible by parallel.tp = {tp}; "
+            f"{fqn}.{w.down}: expert hidden size {width} is not divisible by parallel.tp = {tp}; "
             f"set parallel.tp to a divisor of {width}"
         )
 
 
-def _feature_dim(module: nn.Module, name: str) -> int:
-    """The expert hidden (intermediate) dim of gate_up_proj / down_proj, per the module's storage order."""
-    transposed = getattr(module, "is_transposed", False)
-    return {(_GATE_UP, False): 1, (_GATE_UP, True): 2, (_DOWN, False): 2, (_DOWN, True): 1}[(name, transposed)]
-
-
-def _tp_placement(module: nn.Module, name: str) -> Placement:
+def _tp_placement(spec: ExpertsSpec, name: str) -> Placement:
     """How TP splits one experts parameter: gate/up (and its bias) per part when [gate; up] are concatenated, by
     contiguous shards when interleaved (each shard keeps whole gate/up pairs); down on its input dim; down's bias
     whole (one TP rank adds it)."""
-    if name == _DOWN_BIAS:
+    w = spec.weights
+    if name == w.down_bias:
         return Replicate()
-    dim = 1 if name == _GATE_UP_BIAS else _feature_dim(module, name)
-    if name in (_GATE_UP, _GATE_UP_BIAS) and getattr(module, "is_concatenated", True):
+    bias_dim = 1 if spec.expert_dim == 0 else 0  # a bias is [experts, width] or [width, experts]
+    dim = {w.gate_up: w.gate_up_dim, w.down: w.down_dim}.get(name, bias_dim)
+    if name in (w.gate_up, w.gate_up_bias) and w.concatenated:
         return StridedShard(dim, split_factor=2)
     return Shard(dim)
 
 
-def _placements(module: nn.Module, name: str, pcfg: ParallelConfig) -> list[Placement]:
-    placements: list[Placement] = [Shard(0)] if pcfg.ep > 1 else []
+def _placements(spec: ExpertsSpec, name: str, pcfg: ParallelConfig) -> list[Placement]:
+    placements: list[Placement] = [Shard(spec.expert_dim)] if pcfg.ep > 1 else []
     if pcfg.tp > 1:
-        placements.append(_tp_placement(module, name))
+        placements.append(_tp_placement(spec, name))
     return placements
 
 
-def shard_experts(module: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig) -> None:
+def shard_experts(module: nn.Module, spec: ExpertsSpec, mesh: DeviceMesh, pcfg: ParallelConfig) -> None:
     """Turns the experts' parameters into DTensors (on meta, no communication) and gives the module its dispatch."""
     dims = tuple(d for d, n in (("ep", pcfg.ep), ("tp", pcfg.tp)) if n > 1)
     sub = mesh[dims] if len(dims) > 1 else mesh[dims[0]]
-    count = n_experts(module)
     for name, p in list(module.named_parameters(recurse=False)):
-        shard = distribute_tensor(p.data, sub, _placements(module, name, pcfg), src_data_rank=None)
+        shard = distribute_tensor(p.data, sub, _placements(spec, name, pcfg), src_data_rank=None)
         module.register_parameter(name, nn.Parameter(shard, requires_grad=p.requires_grad))
     tp = mesh["tp"] if pcfg.tp > 1 else None
-    zeroed = (_DOWN_BIAS,) if tp is not None and tp.get_local_rank() and hasattr(module, _DOWN_BIAS) else ()
-    dispatch = ExpertDispatch(count, mesh["ep"] if pcfg.ep > 1 else None, tp, zeroed)
-    if "num_experts" in vars(module) and not grouped(module):  # transformers' kernels size their bins by it
-        module.num_experts = dispatch.local_experts
+    down_bias = spec.weights.down_bias if spec.weights is not None else None
+    zeroed = (down_bias,) if tp is not None and tp.get_local_rank() and down_bias is not None else ()
+    dispatch = ExpertDispatch(spec.n_experts, mesh["ep"] if pcfg.ep > 1 else None, tp, zeroed)
+    if spec.count_attr is not None:  # the family's forward sizes its experts by it (transformers' kernels' bins)
+        setattr(module, spec.count_attr, dispatch.local_experts)
     module.expert_dispatch = dispatch
-    module.__class__ = _dispatching(type(module), grouped(module))
+    module.__class__ = _dispatching(type(module), spec.grouped)
 
 
 @cache
@@ -215,5 +198,5 @@ def apply_experts(stage: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig) -> b
         return False
     found = [m for block in stage.block_modules() for _, m in experts_modules(block, stage.layout)]
     for module in found:
-        shard_experts(module, mesh, pcfg)
+        shard_experts(module, stage.layout.experts_spec, mesh, pcfg)
     return bool(found)

@@ -25,12 +25,16 @@ from pp_tp.parallel.experts import experts_modules
 
 
 def grad_factor(pcfg: ParallelConfig) -> int:
-    """The factor the loss is multiplied by to undo FSDP's mean over DP ranks (gloo refuses a divide factor)."""
-    return pcfg.dp if uses_fsdp(pcfg) else 1
+    """The factor the loss is multiplied by to undo FSDP's mean over DP (and cp) ranks (gloo refuses a divide
+    factor): cp ranks hold different tokens of the same rows, so their gradients are summed, not averaged."""
+    return pcfg.dp * pcfg.cp if uses_fsdp(pcfg) else 1
 
 
 def dp_mesh(mesh: DeviceMesh, pcfg: ParallelConfig) -> DeviceMesh:
-    """The 1-D dp_shard mesh (FSDP) or the 2-D (dp_replicate, dp_shard) mesh (HSDP)."""
+    """The 1-D dp_shard mesh (FSDP; dp_shard x cp flattened under context parallel) or the 2-D (dp_replicate,
+    dp_shard) mesh (HSDP)."""
+    if pcfg.cp > 1:
+        return mesh["dp_shard_cp"]
     return mesh["dp_replicate", "dp_shard"] if pcfg.dp_replicate > 1 else mesh["dp_shard"]
 
 

@@ -1,5 +1,9 @@
 """The device mesh: ("pp", "dp_replicate", "dp_shard", "tp"), NCCL on CUDA, gloo on CPU.
 
+With context parallel (`parallel.cp` > 1) the mesh is ("pp", "dp_replicate", "dp_shard", "cp", "tp"), "cp" between
+data parallel and TP as torchtitan orders it, plus the flattened "dp_shard_cp" = ("dp_shard", "cp") FSDP shards over:
+cp ranks hold the same parameters and different tokens, so their gradients are reduced like DP ranks'.
+
 With expert parallel (`parallel.ep` > 1) the EP group is carved out of dp_shard, as torchtitan and Megatron do:
 the mesh is ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp") with "dp_shard" the flattened
 ("dp_shard_mod_ep", "ep"), so everything that reads mesh["dp_shard"] is unchanged; experts are sharded over
@@ -24,8 +28,9 @@ from pp_tp.errors import ConfigError
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 EP_MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp")
-# Flattened dims of the expert-parallel mesh and the dims they cover.
-FLATTENED = {"dp_shard": ("dp_shard_mod_ep", "ep")}
+CP_MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# Flattened dims of the expert-parallel and context-parallel meshes and the dims they cover.
+FLATTENED = {"dp_shard": ("dp_shard_mod_ep", "ep"), "dp_shard_cp": ("dp_shard", "cp")}
 
 
 def device_type() -> str:
@@ -72,8 +77,8 @@ def init_distributed(timeout_s: float = 300.0) -> None:
 
 
 def mesh_shape(pcfg: ParallelConfig, world_size: int) -> tuple[int, int, int, int]:
-    """The four degrees with dp_shard = -1 resolved; refuses a product that is not the world size, or an
-    expert-parallel degree dp_shard cannot hold."""
+    """The four degrees (pp, dp_replicate, dp_shard, tp) with dp_shard = -1 resolved (cp ranks left out of it);
+    refuses a product that is not the world size, or an expert-parallel degree dp_shard cannot hold."""
     dp_shard = resolve_dp_shard(pcfg, world_size)
     check_ep(pcfg.ep, dp_shard)
     return pcfg.pp, pcfg.dp_replicate, dp_shard, pcfg.tp
@@ -86,14 +91,19 @@ def build_mesh(pcfg: ParallelConfig) -> DeviceMesh:
 
 
 def make_mesh(device: str, pcfg: ParallelConfig, world_size: int) -> DeviceMesh:
-    """The 4-D mesh, or with parallel.ep > 1 the 5-D one whose flattened "dp_shard" covers ("dp_shard_mod_ep", "ep")."""
+    """The 4-D mesh; with parallel.ep > 1 the 5-D one whose flattened "dp_shard" covers ("dp_shard_mod_ep", "ep");
+    with parallel.cp > 1 the 5-D one with "cp" and the flattened "dp_shard_cp" (config rules keep ep and cp apart)."""
     pp, dp_replicate, dp_shard, tp = mesh_shape(pcfg, world_size)
-    if pcfg.ep == 1:
+    if pcfg.ep == 1 and pcfg.cp == 1:
         return init_device_mesh(device, (pp, dp_replicate, dp_shard, tp), mesh_dim_names=MESH_DIMS)
-    shape = (pp, dp_replicate, dp_shard // pcfg.ep, pcfg.ep, tp)
-    mesh = init_device_mesh(device, shape, mesh_dim_names=EP_MESH_DIMS)
+    if pcfg.cp > 1:
+        shape, names = (pp, dp_replicate, dp_shard, pcfg.cp, tp), CP_MESH_DIMS
+    else:
+        shape, names = (pp, dp_replicate, dp_shard // pcfg.ep, pcfg.ep, tp), EP_MESH_DIMS
+    mesh = init_device_mesh(device, shape, mesh_dim_names=names)
     for name, dims in FLATTENED.items():
-        flatten_mesh_dims(mesh, dims, name)
+        if set(dims) <= set(names):
+            flatten_mesh_dims(mesh, dims, name)
     return mesh
 
 

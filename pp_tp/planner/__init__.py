@@ -1,8 +1,10 @@
 """`pp-tp plan`: a dry run of a job in one process, at any world size, with no memory and no peers.
 
 torch's `fake` process-group backend stands in for the world (collectives return at once), so the
-real mesh, stage plan and parallelization passes (TP, AC, FSDP) run unchanged on the meta device. Per
-pp rank, at dp/tp coordinate 0 (the largest FSDP shard), it reports:
+real mesh and the runtime's own build run unchanged on the meta device: `preflight` (every model rule, the
+stage plan) and `build_local_stages` (prune, TP, experts, AC, FSDP) once per distinct stage
+(pp_tp.planner.stage_build), so the planner refuses what a run refuses with the same line. Per pp rank, at
+dp/tp coordinate 0 (the largest FSDP shard), it reports:
 
 - parameter, gradient and AdamW bytes read off the sharded parameters themselves (DTensor local
   shapes, FSDP padding included); FSDP keeps fp32 shards, all-gathers a compute copy in the param

@@ -15,7 +15,6 @@ from pp_tp.base._torch import Action, FakeTensorMode
 from pp_tp.config import ParallelConfig
 from pp_tp.config.fsdp_policy import FsdpPolicy, uses_fsdp
 from pp_tp.layout import ModelDims
-from pp_tp.parallel.apply import parallelize_stage
 from pp_tp.planner.activations import stage_activation_bytes
 from pp_tp.planner.walk import StageBytes, Walk
 from pp_tp.stages.stage_module import StageModule
@@ -106,14 +105,12 @@ def stage_cost(
     stage: StageModule,
     mesh: DeviceMesh,
     pcfg: ParallelConfig,
-    fsdp: FsdpPolicy,
     microbatch: int,
     seq: int,
     dims: ModelDims,
     fake: FakeTensorMode,
 ) -> StageCost:
-    """Parallelizes `stage` on meta (the real passes, on the fake world's mesh) and measures it."""
-    parallelize_stage(stage, mesh, pcfg, fsdp)
+    """Measures `stage`, built on meta on the fake world's mesh (pp_tp.planner.stage_build)."""
     local = sum(_local_numel(p) for p in stage.parameters())
     blocks = [sum(tp_local_numel(p) for p in b.parameters()) for b in stage.block_modules()]
     tp_local = sum(tp_local_numel(p) for p in stage.parameters())

@@ -16,7 +16,7 @@ from torch import nn
 from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
 from pp_tp.layout import ModelLayout
-from pp_tp.parallel.experts import experts_modules, n_experts
+from pp_tp.parallel.experts import experts_modules
 from pp_tp.split.plan import StageSpec
 
 Signature = tuple  # (name, shape) of every parameter of a block: blocks with equal signatures cost the same
@@ -50,24 +50,19 @@ class Experts:
 
 
 def model_experts(model: nn.Module, layout: ModelLayout) -> Experts | None:
-    """The model's experts (None for a dense model); top_k from its config (`num_experts_per_tok`, Hugging Face)
-    or arguments (`top_k`, the reference model)."""
+    """The model's experts (None for a dense model), as its layout's record declares them (ExpertsSpec)."""
+    spec = layout.experts_spec
     blocks = model.get_submodule(layout.blocks)
-    counts = {
-        key: n_experts(found[0][1])
-        for key in layout.block_keys(model)
-        if (found := experts_modules(blocks.get_submodule(key), layout))
-    }
-    if not counts:
+    keys = layout.block_keys(model)
+    moe_blocks = frozenset(key for key in keys if experts_modules(blocks.get_submodule(key), layout))
+    if spec is None or not moe_blocks:
         return None
-    config = getattr(model, "config", None) or getattr(model, "args", None)
-    top_k = getattr(config, "num_experts_per_tok", None) or getattr(config, "top_k", None)
-    if not top_k:
+    if not spec.top_k:
         raise ConfigError(
-            f"pp-tp plan: model {type(model).__name__} has experts but no num_experts_per_tok or top_k in its "
-            "config; the planner cannot size the routed tokens (run without the planner)"
+            f"pp-tp plan: model {type(model).__name__} has experts but its layout declares no top_k "
+            "(ExpertsSpec.top_k); the planner cannot size the routed tokens (run without the planner)"
         )
-    return Experts(max(counts.values()), int(top_k), frozenset(counts))
+    return Experts(spec.n_experts, spec.top_k, moe_blocks)
 
 
 def all_to_all_bytes(tokens: int, experts: Experts, dim: int, ep: int, act_bytes: int) -> float:

@@ -27,15 +27,13 @@ from pp_tp.base._torch import FakeTensorMode
 from pp_tp.config import JobConfig
 from pp_tp.config.fsdp_policy import FsdpPolicy
 from pp_tp.models.factory import build_model
-from pp_tp.parallel.apply import parallelize_stage
 from pp_tp.parallel.mesh import make_mesh
 from pp_tp.planner.activations import stage_activation_bytes
 from pp_tp.planner.fake_world import fake_world
 from pp_tp.planner.memory import StageCost, boundary_extras, is_expert, tp_local_numel, tp_local_shape
 from pp_tp.planner.moe import Signature, block_signatures
-from pp_tp.preflight import resolve_embedding
+from pp_tp.planner.stage_build import build_stage, checked_job
 from pp_tp.split.plan import StageSpec
-from pp_tp.stages.stage_module import StageModule
 
 Kind = tuple[bool, tuple, bool]  # pp_tp.planner.moe.stage_kind
 Probe = tuple[bool, tuple[str, ...], bool]  # a measured stage of the small model: (embed, block keys, head)
@@ -114,30 +112,31 @@ class StageCostCache:
         return StageSpec(0, 0, embed, list(keys), head, fqns)
 
     def _measure(self, tp: int, ac: str, ep: int, probes: list[Probe]) -> None:
-        """Parallelizes and runs each probe on a fake world of ep x tp ranks (pp = 1, dp_shard = ep), one
-        sequence; shapes are read all-gathered over DP, so dp_shard = ep shards nothing that is counted."""
-        sized = resolve_embedding(dataclasses.replace(self.cfg.parallel, tp=tp), self.dims)
+        """Builds each probe as a rank would (pp_tp.planner.stage_build) and runs it on a fake world of ep x tp
+        ranks (pp = 1, dp_shard = ep), one sequence; shapes are read all-gathered over DP, so dp_shard = ep shards
+        nothing that is counted."""
         pcfg = dataclasses.replace(
-            sized, pp=1, tp=tp, ep=ep, dp_shard=ep, dp_replicate=1, activation_checkpoint=ac, compile=False,
-            float8=False, fsdp_reshard_after_forward="default", fsdp_grad_reduce="step", schedule="1F1B",
-            stages_per_rank=1, split="balanced", layers_per_stage=None, stage_fqns=None,
+            self.cfg.parallel, pp=1, tp=tp, ep=ep, dp_shard=ep, dp_replicate=1, activation_checkpoint=ac,
+            compile=False, float8=False, fsdp_reshard_after_forward="default", fsdp_grad_reduce="step",
+            schedule="1F1B", stages_per_rank=1, split="balanced", layers_per_stage=None, stage_fqns=None,
         )  # fmt: skip
         seq, dim = self.cfg.training.seq_len, self.layout.dims(self.model).dim
         with fake_world(ep * tp), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
             mesh = make_mesh("cpu", pcfg, ep * tp)
+            models = [build_model(self._small, "meta") for _ in probes]  # the passes change modules in place
+            checked = checked_job(models[0], self.cfg, pcfg, mesh)
+            fsdp = FsdpPolicy.for_rank(checked.parallel, 0)
             fake = FakeTensorMode(allow_non_fake_inputs=True)
-            for probe in probes:
-                model = build_model(self._small, "meta")  # the passes change the model's modules in place
-                stage = StageModule(model, self.layout, self._spec(probe))
-                parallelize_stage(stage, mesh, pcfg, FsdpPolicy.for_rank(pcfg, 0))
+            for probe, model in zip(probes, models):
+                stage = build_stage(model, checked, self._spec(probe), mesh, fsdp)
                 shapes = Counter(_shape(p) for p in stage.parameters() if not is_expert(p))
                 experts = Counter(_shape(p) for p in stage.parameters() if is_expert(p))
                 blocks = [sum(tp_local_numel(p) for p in b.parameters()) for b in stage.block_modules()]
                 total = sum(tp_local_numel(p) for p in stage.parameters())
                 with fake:
                     (act1, re1), (act2, re2) = (
-                        stage_activation_bytes(stage, mesh, pcfg, mb, seq, dim) for mb in (1, 2)
+                        stage_activation_bytes(stage, mesh, checked.parallel, mb, seq, dim) for mb in (1, 2)
                     )
                 self._measured[(tp, ac, ep, probe)] = Measured(
                     shapes, experts, tuple(blocks), total - sum(blocks), act1, act2, re1, re2

@@ -15,6 +15,7 @@ from torch import nn
 from pp_tp.config import MoEConfig, ParallelConfig
 from pp_tp.errors import ConfigError
 from pp_tp.layout import ModelDims, ModelLayout, check_document_mask, layout_for
+from pp_tp.parallel.context_parallel import check_cp_model
 from pp_tp.parallel.experts import check_experts
 from pp_tp.parallel.float8 import check_float8
 from pp_tp.parallel.rng import DEVICES, active_dropout
@@ -163,6 +164,7 @@ def preflight(
     check_tied(pcfg, d)
     check_tp_plan(model, layout, pcfg)
     check_experts(model, layout, pcfg)
+    check_cp_model(model, layout, pcfg, custom_loss)
     check_balancing(model, layout, pcfg, moe or MoEConfig())
     check_dropout(model, layout, pcfg, device_type)
     check_float8(pcfg, device_type)

@@ -6,14 +6,14 @@ gradient would depend on later microbatches' forwards: under 1F1B it cannot be c
 torchtitan, MoE layer l on one microbatch of T tokens here gets aux_l = E * sum_e (c_e / T) * P_e (c_e its routing
 slots to expert e, P_e the mean over the T tokens of softmax(router logits)_e), and the step's auxiliary loss is
 aux_loss_coef * the mean over microbatches and DP ranks of sum_l aux_l. A forward hook on each router (the layout's
-`routers`) passes its top-k weights through an identity autograd function whose backward also gives aux_l its
-gradient, scaled as the LM loss is (grad_factor undoes FSDP's mean over DP, runtime/loss.py): the gradient enters
-inside the stage holding the layer, with no pipeline communication. A gradient only adds to the router logits', so
-it is exact wherever the LM loss's is (TP ranks route alike and hold the router whole, expert parallel moves tokens
-only); a forward recomputed by activation checkpointing rebuilds the same graph, which autograd discards, and is
-not counted in the reported value.
+`experts_spec.routers`) passes its top-k weights through an identity autograd function whose backward also gives
+aux_l its gradient, scaled as the LM loss is (grad_factor undoes FSDP's mean over DP, runtime/loss.py): the gradient
+enters inside the stage holding the layer, with no pipeline communication. A gradient only adds to the router
+logits', so it is exact wherever the LM loss's is (TP ranks route alike and hold the router whole, expert parallel
+moves tokens only); a forward recomputed by activation checkpointing rebuilds the same graph, which autograd
+discards, and is not counted in the reported value.
 
-The expert bias (the layout's `expert_bias` buffers) moves after each optimizer step by
+The expert bias (the layout's `experts_spec.bias` buffers) moves after each optimizer step by
 bias_update_rate * sign(mean_e(c) - c_e), c = the layer's slots over the step's microbatches and DP ranks: the
 counts `routing_stats` already sums in its one all-reduce per step, identical on every rank holding the layer.
 """
@@ -29,7 +29,7 @@ from pp_tp.config.schema import MoEConfig
 from pp_tp.config.sections import check_balancing_keys
 from pp_tp.errors import ConfigError
 from pp_tp.layout import ModelLayout
-from pp_tp.parallel.experts import moe_layers, n_experts
+from pp_tp.parallel.experts import moe_layers
 from pp_tp.parallel.tensor_parallel import matches_rule
 
 
@@ -53,15 +53,16 @@ def check_balancing(model: nn.Module, layout: ModelLayout, pcfg: ParallelConfig,
     family = type(model).__name__
     key = "moe.aux_loss_coef" if moe.aux_loss_coef else "moe.bias_update_rate"
     blocks = list(model.get_submodule(layout.blocks).children())
-    layers = [{name: n_experts(m) for name, m in moe_layers(b, layout).items()} for b in blocks]
+    spec = layout.experts_spec
+    layers = [dict.fromkeys(moe_layers(b, layout), spec.n_experts if spec else 0) for b in blocks]
     if not any(layers):
         raise ConfigError(
             f"{key} = {getattr(moe, key[4:])} but model {family} has no mixture-of-experts layers pp_tp knows "
-            f"(ModelLayout.experts); set {key} = 0"
+            f"(ModelLayout.experts_spec); set {key} = 0"
         )
     for block, counts in zip(blocks, layers):
         if moe.aux_loss_coef:
-            found = [_layer_of(n, list(counts)) for n, _ in _named(block.named_modules(), layout.routers)]
+            found = [_layer_of(n, list(counts)) for n, _ in _named(block.named_modules(), spec.routers)]
             if sorted(found, key=str) != sorted(counts):
                 raise ConfigError(
                     f"moe.aux_loss_coef = {moe.aux_loss_coef} needs each MoE layer's softmax router probabilities, "
@@ -71,12 +72,12 @@ def check_balancing(model: nn.Module, layout: ModelLayout, pcfg: ParallelConfig,
                 )
         if moe.bias_update_rate:
             biases = [(_layer_of(n.rpartition(".")[0], list(counts)), b)
-                      for n, b in _named(block.named_buffers(), layout.expert_bias)]  # fmt: skip
+                      for n, b in _named(block.named_buffers(), spec.bias)]  # fmt: skip
             usable = all(b.dtype == torch.float32 and b.shape == (counts.get(layer),) for layer, b in biases)
             if sorted((layer for layer, _ in biases), key=str) != sorted(counts) or not usable:
                 raise ConfigError(
                     f"moe.bias_update_rate = {moe.bias_update_rate} moves each MoE layer's fp32 expert bias [experts], "
-                    f"and model {family} declares none (ModelLayout.expert_bias); set moe.bias_update_rate = 0"
+                    f"and model {family} declares none (ExpertsSpec.bias); set moe.bias_update_rate = 0"
                 )
     return moe
 
@@ -111,7 +112,7 @@ class AuxLoss:
         self.total = torch.zeros((), dtype=torch.float64, device=device)
         for stage in stages:
             for block in stage.block_modules():
-                for _, router in _named(block.named_modules(), layout.routers):
+                for _, router in _named(block.named_modules(), layout.experts_spec.routers):
                     router.register_forward_hook(self._add)
 
     def _add(self, module: nn.Module, args: tuple, output: tuple) -> tuple:
@@ -130,7 +131,7 @@ class ExpertBiases:
         for stage in stages:
             for key, block in zip(stage.spec.blocks, stage.block_modules()):
                 layers = list(moe_layers(block, layout))
-                for name, bias in _named(block.named_buffers(), layout.expert_bias):
+                for name, bias in _named(block.named_buffers(), layout.experts_spec.bias):
                     self.biases.append((f"{layout.blocks}.{key}.{_layer_of(name.rpartition('.')[0], layers)}", bias))
 
     @torch.no_grad()

@@ -5,7 +5,8 @@ A mean per microbatch, averaged over microbatches and DP ranks, weights a token 
 microbatch was: with uneven padding the loss and gradients drift from the single-process build
 (torchtitan issues 1733 and 2972). Here every microbatch's loss is its token *sum* divided by the
 *global* token count, so sums over microbatches and ranks are exact; the schedule runs with
-``scale_grads=False`` so nothing divides twice.
+``scale_grads=False`` so nothing divides twice. Under context parallel each cp rank holds different tokens of the
+same rows: the count runs over the cp ranks too, and FSDP's mean over dp_shard x cp is undone the same way.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ IGNORE_INDEX = -100
 class TokenSumLoss:
     """Microbatch loss = sum of token CE * `scale`, where `scale` = grad_factor / global token count.
 
-    `grad_factor` undoes the mean FSDP takes over DP ranks when it reduces gradients (gloo refuses
+    `grad_factor` undoes the mean FSDP takes over DP (and cp) ranks when it reduces gradients (gloo refuses
     FSDP's PREMUL_SUM divide factor, so the correction lives in the loss). With a `tp_mesh` (loss
     parallel), the logits arrive as this TP rank's vocabulary shard and the cross-entropy runs
     vocab-parallel; the caller must hold `parallel()` around both the loss and its backward.
@@ -56,7 +57,7 @@ class TokenSumLoss:
 
 
 def count_tokens(labels: torch.Tensor, dp_groups: list[dist.ProcessGroup]) -> int:
-    """Non-ignored label tokens in the global batch (all microbatches, all DP ranks)."""
+    """Non-ignored label tokens in the global batch (all microbatches, all DP and cp ranks: `dp_groups`)."""
     n = (labels != IGNORE_INDEX).sum().to(torch.float64).reshape(1)
     for g in dp_groups:
         dist.all_reduce(n, group=g)

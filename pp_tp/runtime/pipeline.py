@@ -22,6 +22,7 @@ from pp_tp.base._torch import Action, PipelineScheduleRuntime, load_csv_schedule
 from pp_tp.errors import ConfigError
 from pp_tp.hf_checkpoint import save_pretrained
 from pp_tp.layout import check_document_mask
+from pp_tp.parallel.context_parallel import ContextParallel
 from pp_tp.parallel.mesh import dp_rank
 from pp_tp.parallel.rng import StageStream
 from pp_tp.parallel.tensor_parallel import reduce_partial_grads
@@ -76,7 +77,11 @@ class Pipeline:
         self._targets = built.loss is not None  # step(inputs, targets) with the caller's loss
         self._loss = built.loss if built.loss is not None else TokenSumLoss(built.tp_loss_mesh)
         self._pp_group = built.mesh.get_group("pp")
-        self._dp_groups = [built.mesh.get_group(d) for d in ("dp_replicate", "dp_shard") if built.mesh[d].size() > 1]
+        # The groups a step's tokens are spread over: DP ranks, and cp ranks (each holds part of every sequence).
+        # ("dp_shard" is a flattened dim of the expert-parallel mesh: indexed by name like the others.)
+        spread = ("dp_replicate", "dp_shard", "cp") if built.pcfg.cp > 1 else ("dp_replicate", "dp_shard")
+        self._dp_groups = [built.mesh.get_group(d) for d in spread if built.mesh[d].size() > 1]
+        self._cp = ContextParallel(built.mesh) if built.pcfg.cp > 1 else None
         self._shape_key: tuple | None = None
         self.schedule = None
         self._init_moe(built)
@@ -207,6 +212,23 @@ class Pipeline:
             )
         return {"position_ids": position_ids.to(self.device)}
 
+    def _context_shard(
+        self, where: str, inputs: torch.Tensor, targets: torch.Tensor | None, position_ids: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Under context parallel, this cp rank's head-tail chunks of the rows (inputs, labels) and their positions,
+        which reach every stage as the schedule's `position_ids`; the batch as it is otherwise."""
+        if self._cp is None:
+            return inputs, targets, position_ids
+        if position_ids is not None:
+            raise ConfigError(
+                f"{where}: position_ids (packed documents) with parallel.cp = {self._cp.size} are not supported; "
+                "set data.document_mask = false or parallel.cp = 1"
+            )
+        self._check_batch(where, inputs, targets)
+        self._cp.check_seq(where, inputs.shape[1])
+        positions = self._cp.local_positions(inputs.shape[0], inputs.shape[1], inputs.device)
+        return self._cp.shard(inputs), self._cp.shard(targets), positions
+
     def step(
         self, inputs: torch.Tensor, targets: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -214,7 +236,8 @@ class Pipeline:
         (`inputs` = input_ids, `targets` = labels), or with the caller's loss its sum over the global normalizer
         (targets needed only where the last stage is). `position_ids` ([batch, seq], restarting at 0 at every packed
         document) keep each token's attention and positions inside its own document; the model's layout must offer
-        `document_block_inputs`."""
+        `document_block_inputs`. Under context parallel each cp rank runs its head-tail chunks of the same rows."""
+        inputs, targets, position_ids = self._context_shard("Pipeline.step", inputs, targets, position_ids)
         kwargs = self._position_kwargs("Pipeline.step", inputs, position_ids)
         inputs, targets, n = self.prepare_batch("Pipeline.step", inputs, targets)
         self._loss.scale = self._built.grad_factor / max(n, 1)
@@ -256,7 +279,8 @@ class Pipeline:
         self, inputs: torch.Tensor, targets: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Forward-only global loss of this DP rank's batch share (validation), as `step` defines it; every rank
-        calls it, and no gradient is created or changed (checked). `position_ids` as in `step`."""
+        calls it, and no gradient is created or changed (checked). `position_ids` and context parallel as in `step`."""
+        inputs, targets, position_ids = self._context_shard("Pipeline.evaluate", inputs, targets, position_ids)
         kwargs = self._position_kwargs("Pipeline.evaluate", inputs, position_ids)
         inputs, labels, n_tokens = self.prepare_batch("Pipeline.evaluate", inputs, targets)
         before = grad_state(self.model_parts)

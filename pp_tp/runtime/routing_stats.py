@@ -1,10 +1,11 @@
 """Tokens per expert of every MoE layer a rank holds, counted over one step: `Pipeline.moe_stats`.
 
-A forward pre-hook on each experts module (the layout's `experts`) adds up its routing slots per expert, whatever
-the layout (experts whole, expert parallel, TP of experts: the hook sees the routing before any dispatch). At the
-end of a step the counts of all local layers are summed over the data-parallel ranks in one all-reduce per DP
-dimension (TP ranks route the same tokens, pp ranks hold other layers), so every rank of a pp rank sees the same
-global counts. A forward recomputed by activation checkpointing is not counted twice.
+A forward pre-hook on each experts module (the layout's `experts_spec`, which also says how its call's arguments
+carry the routing) adds up its routing slots per expert, whatever the layout (experts whole, expert parallel, TP of
+experts: the hook sees the routing before any dispatch). At the end of a step the counts of all local layers are
+summed over the data-parallel ranks in one all-reduce per DP dimension (TP ranks route the same tokens, pp ranks
+hold other layers), so every rank of a pp rank sees the same global counts. A forward recomputed by activation
+checkpointing is not counted twice.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from pp_tp.base._torch import in_backward
-from pp_tp.layout import ModelLayout
-from pp_tp.parallel.experts import moe_layers, n_experts, routing_counts
+from pp_tp.layout import ExpertsSpec, ModelLayout
+from pp_tp.parallel.experts import moe_layers
 from pp_tp.parallel.mesh import rank_device
 
 
@@ -31,15 +32,14 @@ class RoutingStats:
             for key, block in zip(stage.spec.blocks, stage.block_modules()):
                 for name, experts in moe_layers(block, layout).items():
                     layer = f"{layout.blocks}.{key}.{name}".rstrip(".")
-                    self.counts[layer] = torch.zeros(n_experts_of(experts), dtype=torch.int64, device=device)
-                    experts.register_forward_pre_hook(self._counter(layer))
+                    self.counts[layer] = torch.zeros(layout.experts_spec.n_experts, dtype=torch.int64, device=device)
+                    experts.register_forward_pre_hook(self._counter(layer, layout.experts_spec))
 
-    def _counter(self, layer: str):
+    def _counter(self, layer: str, spec: ExpertsSpec):
         def count(module: nn.Module, args: tuple) -> None:
             if in_backward():  # activation checkpointing's recomputation: already counted in the forward
                 return
-            total = self.counts[layer]
-            total += routing_counts(module, args, total.numel())
+            self.counts[layer] += spec.routing_counts(args)
 
         return count
 
@@ -55,12 +55,6 @@ class RoutingStats:
         for group in self._groups:
             dist.all_reduce(flat, group=group)
         return dict(zip(self.counts, flat.split([c.numel() for c in self.counts.values()])))
-
-
-def n_experts_of(experts: nn.Module) -> int:
-    """All experts of the layer, also when expert parallel holds a share of them here."""
-    dispatch = getattr(experts, "expert_dispatch", None)
-    return dispatch.n_experts if dispatch is not None else n_experts(experts)
 
 
 def imbalance(tokens_per_expert: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -126,7 +126,9 @@ class StageModule(nn.Module):
         packed document, with attention kept inside it; None: one sequence per row."""
         lay = self.layout
         h = x
-        if self.is_first:
+        if self.is_first and lay.embed_call is not None:
+            h = lay.embed_call(self, x, position_ids)
+        elif self.is_first:
             for fqn in lay.first_fqns:
                 h = self.get_submodule(fqn)(h)
             h = lay.after_embed(h) if lay.after_embed is not None else h

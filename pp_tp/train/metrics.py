@@ -1,8 +1,9 @@
 """Per-step training metrics: one line on rank 0's stdout and one JSON object per line in `training.metrics_file`
 (and TensorBoard scalars in `training.tensorboard_dir`).
 
-MFU needs the device's peak FLOPs, which torch does not expose: a small table of dense bf16 peaks for known
-accelerators (vendor datasheets) stands in. On CPU, or in fp32, MFU is left out rather than guessed.
+MFU needs the model's FLOPs per token (`flops_per_token`, read off its layout and modules) and the device's peak
+FLOPs, which torch does not expose: a small table of dense bf16 peaks for known accelerators (vendor datasheets)
+stands in. On CPU, or in fp32, MFU is left out rather than guessed.
 """
 
 from __future__ import annotations
@@ -13,10 +14,32 @@ import resource
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from pp_tp.layout import ModelLayout
+from pp_tp.parallel.experts import experts_modules
 from pp_tp.runtime.routing_stats import imbalance
+from pp_tp.split import cost
 from pp_tp.train.tensorboard import TensorBoard
+
+
+def flops_per_token(model: nn.Module, layout: ModelLayout, seq_len: int) -> float:
+    """Training FLOPs (forward + backward) per token of the model a layout describes, read off its own blocks: 6 x
+    every weight a token multiplies (an experts module's at top_k of n_experts: only the chosen experts run), causal
+    attention's 6 x seq_len x heads x head_dim per block, and the head with its cross-entropy. Not a dense formula:
+    an MoE, MLA or a model with other widths counts what it holds (meta tensors suffice)."""
+    dims, spec = layout.dims(model), layout.experts_spec
+    active = (spec.top_k or spec.n_experts) / spec.n_experts if spec is not None else 1.0
+    total = 0.0
+    for block in model.get_submodule(layout.blocks).children():
+        experts = {id(p) for _, m in experts_modules(block, layout) for p in m.parameters()}
+        for p in block.parameters():
+            if p.dim() >= 2:
+                total += 6.0 * p.numel() * (active if id(p) in experts else 1.0)
+        total += 6.0 * seq_len * dims.n_heads * (dims.head_dim or dims.dim // dims.n_heads)
+    return total + cost.head_flops(dims) + cost.embed_flops(dims)
+
 
 # Dense (not sparse) bf16 tensor-core peaks, FLOP/s per device; longer names are matched first.
 PEAK_BF16_FLOPS = {

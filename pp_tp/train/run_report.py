@@ -19,9 +19,9 @@ from pp_tp.runtime.pipeline import Pipeline
 
 def dry_run(cfg: JobConfig) -> JobPlan | None:
     """The planner's dry run, on the rank that will be rank 0, before the process group exists (the dry run
-    needs a process of its own); None on other ranks, once a process group is up (tests), or for a model with its
-    own loss (the planner estimates language models only)."""
-    if dist.is_initialized() or os.environ.get("RANK", "0") != "0" or cfg.training.loss:
+    needs a process of its own); None on other ranks, once a process group is up (tests), for a model with its
+    own loss (the planner estimates language models only) or under context parallel (not modelled yet)."""
+    if dist.is_initialized() or os.environ.get("RANK", "0") != "0" or cfg.training.loss or cfg.parallel.cp > 1:
         return None
     return plan_job(cfg, cfg.parallel.world_size)
 

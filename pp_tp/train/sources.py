@@ -96,13 +96,13 @@ def _bytes_fit(cfg: JobConfig) -> None:
 def make_fields(cfg: JobConfig) -> WindowData:
     """Synthetic gridded fields (the CREDIT model's one-step forecast)."""
     t, m = cfg.training, cfg.model
-    return WindowData([SyntheticFields(t.seed, m.channels, m.image_size)], None, None, cfg)
+    return WindowData([SyntheticFields(t.seed, m.options.channels, m.options.image_size)], None, None, cfg)
 
 
 def make_images(cfg: JobConfig) -> WindowData:
     """Synthetic labelled images (the ViT's classes)."""
-    t, m = cfg.training, cfg.model
-    return WindowData([SyntheticImages(t.seed, m.channels, m.image_size, m.n_classes)], None, None, cfg)
+    t, g = cfg.training, cfg.model.options
+    return WindowData([SyntheticImages(t.seed, g.channels, g.image_size, g.n_classes)], None, None, cfg)
 
 
 def make_tokens(cfg: JobConfig) -> WindowData:

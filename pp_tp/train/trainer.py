@@ -23,17 +23,16 @@ from torch.distributed.tensor import DTensor
 
 import pp_tp
 from pp_tp.config import JobConfig, TrainingConfig
-from pp_tp.layout import ModelDims, layout_for
+from pp_tp.layout import layout_for
 from pp_tp.models.factory import build_model
 from pp_tp.parallel.experts import experts_modules
 from pp_tp.parallel.grads import clip_grad_norm_
 from pp_tp.parallel.mesh import dp_rank, dp_size, init_distributed
 from pp_tp.planner import resolve_auto
-from pp_tp.split import cost
 from pp_tp.train import run_report
 from pp_tp.train.checkpoint import Checkpointer, latest_checkpoint
 from pp_tp.train.liveness import PeerWatch
-from pp_tp.train.metrics import MetricsLogger, moe_imbalance, peak_flops
+from pp_tp.train.metrics import MetricsLogger, flops_per_token, moe_imbalance, peak_flops
 from pp_tp.train.nonfinite import NonFiniteError, NonFiniteGuard, describe, is_finite
 from pp_tp.train.prefetch import Prefetcher
 from pp_tp.train.sources import make_source
@@ -79,9 +78,8 @@ def build_optimizers(
     return optimizers, schedulers
 
 
-def _metrics(cfg: JobConfig, dims: ModelDims, mesh: DeviceMesh) -> MetricsLogger:
+def _metrics(cfg: JobConfig, flops: float, mesh: DeviceMesh) -> MetricsLogger:
     t = cfg.training
-    flops = dims.n_layers * cost.block_flops(dims, t.seq_len) + cost.head_flops(dims) + cost.embed_flops(dims)
     device_peak = (
         peak_flops(torch.cuda.get_device_name())
         if mesh.device_type == "cuda" and cfg.parallel.mixed_precision == "bf16"
@@ -130,7 +128,7 @@ class Trainer:
         self.mesh = pp_tp.build_mesh(self.cfg.parallel)
         model = build_model(self.cfg.model, "meta")
         layout = layout_for(model)
-        self.dims = layout.dims(model)
+        flops = flops_per_token(model, layout, t.seq_len)  # on the meta model, before build_pipeline prunes it
         self.has_experts = any(experts_modules(b, layout) for b in model.get_submodule(layout.blocks).children())
         resume = latest_checkpoint(self.cfg.checkpoint.folder) if self.cfg.checkpoint.enable else None
         hf_dir, self.weights_line = run_report.initial_weights(self.cfg, resume)  # a DCP checkpoint wins over HF
@@ -149,7 +147,7 @@ class Trainer:
             t.comm_timeout_s,  # bounds the background saves' collectives (checkpoint.async)
         )  # fmt: skip
         self.step = _resume(self.checkpointer, resume, self.cfg)
-        self.metrics = _metrics(self.cfg, self.dims, self.mesh)
+        self.metrics = _metrics(self.cfg, flops, self.mesh)
         self.guard = NonFiniteGuard(parts, self.pipe.pcfg.num_stages, self.pipe.device)
         self.skipped = 0
 

@@ -1,7 +1,8 @@
 """Any Hugging Face decoder LM, laid out from what the model declares about itself.
 
 The embedding, blocks and final norm come from the config's `base_model_pp_plan` under the model's
-`base_model_prefix`; the head is `get_output_embeddings()`. Blocks are called the way the model's own
+`base_model_prefix`, or, for a family declaring none, from its own forward (discover.py); the head is
+`get_output_embeddings()`. Blocks are called the way the model's own
 forward calls them: masks built per microbatch by transformers' own mask functions (causal or sliding
 window, per layer type), position ids, and rotary embeddings from the model's rotary module (per layer
 type where it has several); with packed documents' position ids, transformers' packed-sequence masks. What
@@ -23,13 +24,15 @@ from torch import nn
 from pp_tp.errors import ConfigError
 from pp_tp.layout import ModelDims, ModelLayout
 from pp_tp.models.hf.buffers import init_buffers
+from pp_tp.models.hf.discover import EmbedCall, PpPlan, discover, embedding_parent
+from pp_tp.models.hf.experts import experts_spec
 from pp_tp.models.hf.extras import after_embed, after_head
-from pp_tp.models.hf.routers import block_expert_biases, block_routers
+from pp_tp.models.hf.randomness import check_randomness
 from pp_tp.models.hf.self_check import self_check
-from pp_tp.models.hf.tp_plan import block_experts, block_tp_plan
+from pp_tp.models.hf.tp_plan import block_tp_plan
 from pp_tp.parallel.tensor_parallel import rules_present
 
-FULL, SLIDING = "full_attention", "sliding_attention"
+FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
 
 
 def is_hf_model(model: nn.Module) -> bool:
@@ -43,25 +46,17 @@ def _refuse(model: nn.Module, why: str) -> ConfigError:
     return ConfigError(f"model {type(model).__name__}: {why}")
 
 
-@dataclasses.dataclass(frozen=True)
-class _PpPlan:
-    """The base model's declared pipeline plan: embedding, blocks and norm, and the parameterless modules
-    (dropout, identity) between them."""
-
-    embed: str
-    after_embed: tuple[str, ...]
-    blocks: str
-    before_norm: tuple[str, ...]
-    norm: str
-
-
-def _pp_plan(model: nn.Module, base: nn.Module) -> _PpPlan:
+def _pp_plan(model: nn.Module) -> PpPlan:
     """The declared base_model_pp_plan: embedding -> parameterless modules -> layers -> parameterless modules ->
-    norm, or for a model declaring none, its standard structure (the self-check then proves the composition);
-    anything else is refused."""
+    norm under base_model_prefix (or, where the model has no such attribute, the module holding the embedding), or
+    for a model declaring none, its structure found from its forward (discover.py; the self-check then proves the
+    composition); anything else is refused."""
     plan = getattr(model.config, "base_model_pp_plan", None)
     if not plan:
-        return _standard_plan(model)
+        return _standard_plan(model) or discover(model)
+    prefix = model.base_model_prefix
+    prefix = prefix if isinstance(getattr(model, prefix, None), nn.Module) else embedding_parent(model)
+    base = model.get_submodule(prefix)
     names = list(plan)
     firsts = {n: inputs[0] if inputs else None for n, (inputs, _) in plan.items()}
     weighted = [n for n in names[1:-1] if any(True for _ in base.get_submodule(n).parameters())]
@@ -78,26 +73,20 @@ def _pp_plan(model: nn.Module, base: nn.Module) -> _PpPlan:
         )
     embed, blocks, norm = names[0], weighted[0], names[-1]
     at = names.index(blocks)
-    return _PpPlan(embed, tuple(names[1:at]), blocks, tuple(names[at + 1 : -1]), norm)
+    return PpPlan(embed, tuple(names[1:at]), blocks, tuple(names[at + 1 : -1]), norm, base=prefix)
 
 
-def _standard_plan(model: nn.Module) -> _PpPlan:
-    """embed_tokens -> layers -> norm, the children (and nothing else with weights) a decoder LM without a
-    declared pp plan may have; refused in one line otherwise."""
-    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
-    names = {n: m for n, m in base.named_children()} if isinstance(base, nn.Module) else {}
+def _standard_plan(model: nn.Module) -> PpPlan | None:
+    """embed_tokens -> layers -> norm beside the input embedding, the structure most decoder LMs without a declared
+    pp plan have (no trace needed); None otherwise."""
+    prefix = embedding_parent(model)
+    names = dict(model.get_submodule(prefix).named_children())
     standard = (
         names.get("embed_tokens") is model.get_input_embeddings()
         and isinstance(names.get("layers"), nn.ModuleList)
         and "norm" in names
     )
-    if not standard:
-        raise _refuse(
-            model,
-            "declares no base_model_pp_plan and is not embed_tokens -> layers -> norm; register a layout for it "
-            "(pp_tp.extend.register_layout)",
-        )
-    return _PpPlan("embed_tokens", (), "layers", (), "norm")
+    return PpPlan("embed_tokens", (), "layers", (), "norm", base=prefix) if standard else None
 
 
 def _module_name(model: nn.Module, module: nn.Module | None, what: str) -> str:
@@ -112,12 +101,12 @@ def _layer_types(model: nn.Module, n_layers: int) -> list[str]:
     config = model.config
     types = getattr(config, "layer_types", None)
     if types is not None:
-        unknown = sorted(set(types[:n_layers]) - {FULL, SLIDING})
+        unknown = sorted(set(types[:n_layers]) - {FULL, SLIDING, CHUNKED})
         if unknown:
             raise _refuse(
                 model,
-                f"config.layer_types has {unknown[0]!r} layers; pp_tp runs {FULL!r} and {SLIDING!r} attention "
-                "only (register a layout for it: pp_tp.extend.register_layout)",
+                f"config.layer_types has {unknown[0]!r} layers; pp_tp runs {FULL!r}, {SLIDING!r} and {CHUNKED!r} "
+                "attention only (register a layout for it: pp_tp.extend.register_layout)",
             )
         return list(types[:n_layers])
     return [SLIDING if getattr(config, "sliding_window", None) is not None else FULL] * n_layers
@@ -159,11 +148,19 @@ class BlockContext:
     def document_inputs(self, stage: nn.Module, h: torch.Tensor, position_ids: torch.Tensor) -> tuple[Any, ...]:
         """The same for given per-token position ids: where they restart (packed documents), transformers' own
         mask functions keep attention inside each document (sliding windows included)."""
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+        from transformers.masking_utils import (
+            create_causal_mask,
+            create_chunked_causal_mask,
+            create_sliding_window_causal_mask,
+        )
 
         kwargs = {"config": self.config, "inputs_embeds": h, "attention_mask": None, "position_ids": position_ids}
         types = set(self.layer_types.values())
-        makers = {FULL: create_causal_mask, SLIDING: create_sliding_window_causal_mask}
+        makers = {
+            FULL: create_causal_mask,
+            SLIDING: create_sliding_window_causal_mask,
+            CHUNKED: create_chunked_causal_mask,
+        }
         # No KV cache; transformers >= 5.24 names that argument `cache` (`past_key_values` before).
         masks = {t: makers[t](**kwargs, **_no_cache(makers[t])) for t in types}
         embeddings: Any = None
@@ -218,6 +215,7 @@ def specialize(model: nn.Module) -> ModelLayout:
     line where it cannot be."""
     layout = compose(model)
     self_check(model, compose)
+    check_randomness(model)
     return layout
 
 
@@ -229,9 +227,9 @@ def compose(model: nn.Module) -> ModelLayout:
             "output_router_logits = true adds transformers' whole-batch auxiliary loss, which a pipeline cannot "
             "compute; set it to false in the model config and use [moe] aux_loss_coef (per layer and microbatch)",
         )
-    prefix = model.base_model_prefix
+    pp_plan = _pp_plan(model)
+    prefix = pp_plan.base
     base = model.get_submodule(prefix)
-    pp_plan = _pp_plan(model, base)
     embed_key, blocks_key, norm_key = pp_plan.embed, pp_plan.blocks, pp_plan.norm
     if base.get_submodule(embed_key) is not model.get_input_embeddings():
         raise _refuse(model, f"{prefix}.{embed_key} is not get_input_embeddings(); register a layout for it")
@@ -246,13 +244,12 @@ def compose(model: nn.Module) -> ModelLayout:
     rotary = next((f"{prefix}.{n}" for n in extra if "position_ids" in _params(base.get_submodule(n).forward)), None)
     blocks = list(base.get_submodule(blocks_key).children())
     types = dict(zip((id(b) for b in blocks), _layer_types(model, len(blocks))))
-    block_kwargs = _params(blocks[0].forward)
+    block_kwargs = _params(blocks[0].forward) | pp_plan.block_kwargs
     ctx = BlockContext(model, rotary, types, block_kwargs)
     attention = next((n for n, m in blocks[0].named_children() if "Attention" in type(m).__name__), "self_attn")
     tp_plan, tp_refusal = block_tp_plan(model, blocks_key)
     # The family's plan covers every config of it (dense layers, shared experts, ...): keep what this one has.
     tp_plan = rules_present(tp_plan, blocks)
-    experts, experts_tp = block_experts(model, blocks_key)
     tp_refusal = tp_refusal or _kernel_dropout(model)
     return dataclasses.replace(
         HF,
@@ -268,12 +265,10 @@ def compose(model: nn.Module) -> ModelLayout:
         call_block=ctx.call,
         tp_plan=tp_plan,
         tp_refusal=tp_refusal,
-        experts=experts,
-        experts_tp=experts_tp,
-        routers=block_routers(model, blocks) if experts else (),
-        expert_bias=block_expert_biases(blocks) if experts else (),
+        experts_spec=experts_spec(model, blocks_key, blocks),
         attention=attention,
         after_embed=after_embed(model.config),
+        embed_call=EmbedCall(pp_plan, after_embed(model.config)) if pp_plan.adds_positions else None,
         after_head=after_head(model.config),
         static_block_inputs=True,  # masks and rotary tables from the microbatch's shape only (no padding mask)
         after_embed_modules=tuple(f"{prefix}.{name}" for name in pp_plan.after_embed),

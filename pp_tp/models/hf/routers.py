@@ -1,11 +1,11 @@
-"""A Hugging Face MoE's routers and expert biases, for load balancing (pp_tp/runtime/balancing.py).
+"""A Hugging Face MoE's routers, for load balancing (pp_tp/runtime/balancing.py), declared in its experts record
+(pp_tp.models.hf.experts).
 
 Routers: the modules transformers records `router_logits` from (`_can_record_outputs`, output 0), declared only when
 a probe proves their probabilities are softmax(logits): on a small copy of the config (the self-check's), fixed seed,
 random weights, the router returns (logits [T, E], top_k_weights [T, k], top_k_index [T, k]) and its weights are
 softmax(logits) at the chosen experts up to one positive factor per token (renormalized or scaled). Sigmoid routers
-(DeepSeek-V3) fail it, so the auxiliary loss is refused for them. Expert biases: the blocks' `e_score_correction_bias`
-buffers (DeepSeek-V3 and the families built like it), which shift the expert choice only.
+(DeepSeek-V3) fail it, so the auxiliary loss is refused for them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from torch import nn
 
 from pp_tp.models.hf.self_check import small_config, stir_zero_buffers
 
-_BIAS = "e_score_correction_bias"
 _TOKENS = 16
 _PROBES: dict[tuple[type, str], bool] = {}
 
@@ -62,8 +61,3 @@ def block_routers(model: nn.Module, blocks: list[nn.Module]) -> tuple[str, ...]:
     if not _PROBES[key]:
         return ()
     return tuple(sorted({n for b in blocks for n, m in b.named_modules() if type(m) is cls}))
-
-
-def block_expert_biases(blocks: list[nn.Module]) -> tuple[str, ...]:
-    """Block-relative names of the blocks' expert-choice biases."""
-    return tuple(sorted({n for b in blocks for n, _ in b.named_buffers() if n.rpartition(".")[2] == _BIAS}))

@@ -81,8 +81,11 @@ def small_config(config):
     for key, value in sizes.items():
         if getattr(small, key, None) is not None or key in moe or (moe and key in _MOE_COUNTS):
             setattr(small, key, value)
-    if getattr(small, "sliding_window", None) is not None:
-        small.sliding_window = WINDOW
+    for key in ("sliding_window", "attention_chunk_size"):  # windows and chunks shorter than SEQ really cut
+        if getattr(small, key, None) is not None:
+            setattr(small, key, WINDOW)
+    if get("word_embed_proj_dim") == get("hidden_size"):  # OPT: equal dims mean no project_in / project_out
+        small.word_embed_proj_dim = small.hidden_size
     if types:
         small.layer_types = (types * n_layers)[:n_layers]
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):

@@ -6,7 +6,8 @@ import dataclasses
 
 from torch import nn
 
-from pp_tp.layout import ModelDims, ModelLayout
+from pp_tp.config.schema import ModelShape
+from pp_tp.layout import ExpertsSpec, ModelDims, ModelLayout
 from pp_tp.models.reference.model import Transformer, document_mask, param_init_std, rope_cache
 from pp_tp.models.reference.moe import init_expert_bias
 from pp_tp.parallel.tensor_parallel import rules_present
@@ -32,10 +33,20 @@ def _specialize(model: Transformer) -> ModelLayout:
         REFERENCE,
         specialize=None,
         tp_plan=rules_present({**BLOCK_TP_PLAN, **SHARED_EXPERTS_TP_PLAN}, model.layers.children()),
-        experts=("feed_forward.experts",),
-        experts_tp=True,
-        routers=("feed_forward.gate",) if model.args.router == "softmax" else (),
-        expert_bias=("feed_forward.gate.expert_bias",),
+        experts_spec=experts_spec(model.args),
+    )
+
+
+def experts_spec(args: ModelShape) -> ExpertsSpec:
+    """The reference MoE's experts (moe.py): transformers' packed weights and routed call, TP of experts declared,
+    its softmax router (the sigmoid one's probabilities are not softmax) and router expert bias."""
+    return ExpertsSpec(
+        modules=("feed_forward.experts",),
+        n_experts=args.n_experts,
+        top_k=args.top_k,
+        tp=True,
+        routers=("feed_forward.gate",) if args.router == "softmax" else (),
+        bias=("feed_forward.gate.expert_bias",),
     )
 
 

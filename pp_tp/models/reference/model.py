@@ -68,6 +68,10 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    # Set by context parallel (pp_tp.parallel.context_parallel): the rank's queries attend to the keys and values
+    # of the whole sequence, gathered over the cp ranks, under the causal mask of their head-tail positions.
+    context_parallel = None
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         hd = args.head_dim
@@ -90,6 +94,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        cp = self.context_parallel
+        if cp is not None:
+            k, v, mask = cp.gather(k, 2), cp.gather(v, 2), cp.mask(s, x.device)
         gqa = q.shape[1] != k.shape[1]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))

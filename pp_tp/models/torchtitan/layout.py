@@ -13,9 +13,9 @@ Qwen3's per-head q/k norms are replicated with their gradients summed over TP on
 
 MoE models (a block with `moe_enabled`: qwen3 MoE flavors, deepseek_v3) get their own layout: torchtitan's
 router, token reorder/combine and shared experts run as they are; its GroupedExperts
-(`moe.routed_experts.inner_experts`, called with tokens sorted by expert and their counts) are the layout's
-`experts`, which expert parallel dispatches (pp_tp.parallel.experts); `moe.expert_bias_E` is the layout's
-`expert_bias`. MoE.tokens_per_expert_E keeps counting this rank's routed tokens in each forward as in
+(`moe.routed_experts.inner_experts`, called with tokens sorted by expert and their counts) are the experts of the
+layout's record (`experts_spec`), which expert parallel dispatches (pp_tp.parallel.experts); `moe.expert_bias_E` is
+its expert bias. MoE.tokens_per_expert_E keeps counting this rank's routed tokens in each forward as in
 torchtitan's own model (torchtitan's optimizer hook reads and zeroes it); pp_tp's own counts are
 `Pipeline.moe_stats`. TP of these models is refused (their attention differs per family; EP splits experts).
 
@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from pp_tp.errors import ConfigError
-from pp_tp.layout import ModelDims, ModelLayout
+from pp_tp.layout import ExpertsSpec, ModelDims, ModelLayout
 
 _STEP_KWARGS = "_pp_tp_step_kwargs"
 
@@ -56,8 +56,12 @@ def _fused(model: nn.Module) -> bool:
     return hasattr(_attention(first).qkv_linear, "wqkv")
 
 
+def _moe_blocks(model: nn.Module) -> list[nn.Module]:
+    return [block for block in model.layers.values() if getattr(block, "moe_enabled", False)]
+
+
 def _has_moe(model: nn.Module) -> bool:
-    return any(getattr(block, "moe_enabled", False) for block in model.layers.values())
+    return bool(_moe_blocks(model))
 
 
 def _ffn_dim(block: nn.Module) -> int:
@@ -156,6 +160,21 @@ def _layout(name: str, fused: bool) -> ModelLayout:
     )
 
 
+def experts_spec(model: nn.Module) -> ExpertsSpec:
+    """torchtitan's routed experts: GroupedExperts (w1/w2/w3, not packed: no TP), called grouped by its own
+    reorder/combine, sized by its config's num_experts and top_k (read off the first MoE layer), with the MoE's
+    expert bias; no router is declared (the auxiliary loss is refused)."""
+    moe = _moe_blocks(model)[0].moe
+    return ExpertsSpec(
+        modules=("moe.routed_experts.inner_experts",),
+        n_experts=moe.routed_experts.inner_experts.num_experts,
+        top_k=moe.router.top_k,
+        grouped=True,
+        weights=None,
+        bias=("moe.expert_bias_E",),
+    )
+
+
 TORCHTITAN_DECODER = _layout("torchtitan_decoder", fused=True)
 TORCHTITAN_DECODER_QKV = _layout("torchtitan_decoder_qkv", fused=False)
 TORCHTITAN_MOE = dataclasses.replace(
@@ -166,6 +185,5 @@ TORCHTITAN_MOE = dataclasses.replace(
     qk_norms=(),
     tp_refusal="pp_tp runs torchtitan's MoE models without tensor parallelism; set parallel.tp = 1 "
     "(parallel.ep splits the experts)",
-    experts=("moe.routed_experts.inner_experts",),
-    expert_bias=("moe.expert_bias_E",),
+    specialize=lambda model: dataclasses.replace(TORCHTITAN_MOE, specialize=None, experts_spec=experts_spec(model)),
 )

@@ -1,7 +1,10 @@
 """A model pp_tp does not know (an MLP language model with its own module names), a renamed schedule, the model as a
-TOML `model.kind` and a data source of counting sequences (next token = this one + 1 mod the vocabulary)."""
+TOML `model.kind` with a key of its own, and a data source of counting sequences (next token = this one + 1 mod the
+vocabulary)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -63,7 +66,18 @@ LAYOUT = ModelLayout(
 
 SCHEDULE = ScheduleSpec("PluginGPipe", ScheduleGPipe, multi_stage=False, stages_per_rank=1)
 
-KIND = ModelKind(lambda m, device: TinyLM(vocab=m.vocab_size, dim=m.dim, hidden=m.ffn_dim, n_blocks=m.n_layers))
+
+@dataclass
+class TinyKeys:
+    """The tiny model's own [model] key (ModelKind.section): its blocks' hidden width, in place of ffn_dim."""
+
+    hidden: int = 32
+
+
+KIND = ModelKind(
+    lambda m, device: TinyLM(vocab=m.vocab_size, dim=m.dim, hidden=m.options.hidden, n_blocks=m.n_layers),
+    section=TinyKeys,
+)
 
 
 class Counting:

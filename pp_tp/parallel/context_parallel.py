@@ -1,0 +1,157 @@
+"""Context parallel (`parallel.cp`): each sequence split over the cp ranks, attention over the whole of it.
+
+torch's own `context_parallel` intercepts only the CUDA SDPA kernels and FlexAttention has no CPU backward, so
+this is pp_tp's own, the design Llama 3's long-context training used: every cp rank holds two chunks of each
+sequence, i and 2cp-1-i of 2cp equal ones (head-tail, so causal attention costs every rank the same), for inputs,
+labels and position ids alike (`shard`, `local_positions`, run by `Pipeline.step`); stage boundaries carry the
+rank's `[B, S/cp, D]`. In every attention layer K and V are all-gathered over cp (`gather`: its backward sums the
+gradients of every rank's queries and keeps this rank's slice), and the family's own attention function runs on
+the local queries against all keys with the causal (or sliding-window) mask of those positions (`mask`).
+
+An attention module opts in by declaring a `context_parallel` attribute (the reference model's `Attention`), or a
+family registers an installer (`register_cp_attention`: Hugging Face models, pp_tp/models/hf/cp_attention.py).
+What cannot run exactly under cp is refused in one line before any collective: the model's rules in preflight
+(`check_cp_model`), an attention module nothing can install in the local build.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from pp_tp.config import ParallelConfig
+from pp_tp.errors import ConfigError
+from pp_tp.layout import ModelLayout
+from pp_tp.parallel.rng import active_dropout
+
+# Installers: (attention module, ContextParallel) -> True when they made the module gather K/V over cp.
+_INSTALLERS: list[Callable[[nn.Module, ContextParallel], bool]] = []
+
+
+def register_cp_attention(install: Callable[[nn.Module, ContextParallel], bool]) -> None:
+    """Teaches context parallel a family's attention modules; later registrations are tried first."""
+    _INSTALLERS.insert(0, install)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along a sequence dim, rank-major; backward: each rank's slice of the gradient summed over cp."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, cp: ContextParallel) -> torch.Tensor:
+        ctx.dim, ctx.cp = dim, cp
+        out = x.new_empty((cp.size * x.shape[0], *x.shape[1:]))
+        dist.all_gather_single(out, x.contiguous(), group=cp.group)
+        return torch.cat(out.chunk(cp.size), dim=dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        cp = ctx.cp
+        parts = torch.cat(grad.chunk(cp.size, dim=ctx.dim))  # rank-major along dim 0
+        if dist.get_backend(cp.group) == "nccl":
+            out = parts.new_empty((parts.shape[0] // cp.size, *parts.shape[1:]))
+            dist.reduce_scatter_single(out, parts, group=cp.group)
+            return out, None, None
+        dist.all_reduce(parts, group=cp.group)  # gloo has no reduce-scatter
+        return parts.chunk(cp.size)[cp.rank].contiguous(), None, None
+
+
+class ContextParallel:
+    """This rank's place in its cp group: the head-tail chunks it holds, the K/V all-gather and the masks."""
+
+    def __init__(self, mesh: DeviceMesh):
+        self.group = mesh.get_group("cp")
+        self.size = mesh["cp"].size()
+        self.rank = mesh.get_local_rank("cp")
+        self._masks: dict[tuple, torch.Tensor] = {}
+
+    def chunk_positions(self, seq: int, rank: int, device: torch.device | None = None) -> torch.Tensor:
+        """The global positions cp rank `rank` holds of a `seq`-long sequence: chunks rank and 2cp-1-rank."""
+        c = seq // (2 * self.size)
+        tail = 2 * self.size - 1 - rank
+        return torch.cat(
+            [
+                torch.arange(rank * c, (rank + 1) * c, device=device),
+                torch.arange(tail * c, (tail + 1) * c, device=device),
+            ]
+        )
+
+    def check_seq(self, where: str, seq: int) -> None:
+        """Whole head-tail chunks: the sequence must divide into 2cp equal ones."""
+        if seq % (2 * self.size):
+            raise ConfigError(
+                f"{where}: seq {seq} is not divisible by 2 * parallel.cp = {2 * self.size}; use a sequence length "
+                f"that is a multiple of {2 * self.size}"
+            )
+
+    def shard(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's two chunks of `t` [B, S, ...] along dim 1, in order (head, then tail)."""
+        chunks = t.chunk(2 * self.size, dim=1)
+        return torch.cat([chunks[self.rank], chunks[2 * self.size - 1 - self.rank]], dim=1)
+
+    def local_positions(self, batch: int, seq: int, device: torch.device) -> torch.Tensor:
+        """Position ids [batch, seq / cp] of this rank's tokens in their sequences (rotary tables, masks)."""
+        return self.chunk_positions(seq, self.rank, device).expand(batch, -1)
+
+    def gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every cp rank's `t` concatenated along the sequence dim `dim`, rank-major (keys: `mask`'s columns)."""
+        return _GatherSequence.apply(t, dim, self)
+
+    def mask(self, local: int, device: torch.device, window: int | None = None) -> torch.Tensor:
+        """Boolean [local, cp * local]: this rank's queries (rows, its head-tail positions) against the gathered
+        keys (columns, rank-major): causal, and inside `window` where given (key > query - window, transformers'
+        sliding_window_overlay). Cached: it depends on the shapes only."""
+        key = (local, device, window)
+        if key not in self._masks:
+            seq = local * self.size
+            q = self.chunk_positions(seq, self.rank, device)[:, None]
+            k = torch.cat([self.chunk_positions(seq, r, device) for r in range(self.size)])[None, :]
+            allowed = k <= q
+            self._masks[key] = allowed & (k > q - window) if window is not None else allowed
+        return self._masks[key]
+
+
+def _install(attention: nn.Module, cp: ContextParallel) -> bool:
+    """An attention module that declares `context_parallel` reads it itself; else a registered installer."""
+    if hasattr(type(attention), "context_parallel"):
+        attention.context_parallel = cp
+        return True
+    return any(install(attention, cp) for install in _INSTALLERS)
+
+
+def check_cp_model(model: nn.Module, layout: ModelLayout, pcfg: ParallelConfig, custom_loss: bool) -> None:
+    """What the model must be to run exactly under cp (parallel.cp > 1): a language model taking per-token
+    positions, no experts (routing statistics and the auxiliary loss count per DP rank), no active dropout (its
+    streams are not forked per cp rank). One line each; run by preflight, so `pp-tp check` and the planner agree."""
+    if pcfg.cp == 1:
+        return
+    why = None
+    if not layout.is_lm or layout.document_block_inputs is None:
+        why = f"the {layout.name!r} model layout takes no per-token positions (document_block_inputs)"
+    elif layout.experts:
+        why = "mixture-of-experts layers are not supported under context parallel yet"
+    elif custom_loss:
+        why = "a caller's loss_fn sees only this cp rank's tokens"
+    elif active_dropout(model):
+        why = "active dropout is not forked per cp rank; set the model's dropout rates to 0"
+    if why:
+        raise ConfigError(f"parallel.cp > 1: {why}; set parallel.cp = 1")
+
+
+def apply_context_parallel(stage: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig) -> bool:
+    """Makes every local block's attention gather K and V over cp (cp > 1); refuses what cannot run under cp."""
+    if pcfg.cp == 1:
+        return False
+    cp = ContextParallel(mesh)
+    for block in stage.block_modules():
+        attention = block.get_submodule(stage.layout.attention)
+        if not _install(attention, cp):
+            raise ConfigError(
+                f"parallel.cp = {pcfg.cp}: the {type(attention).__name__} attention of the {stage.layout.name!r} "
+                "layout cannot gather keys and values over cp; set parallel.cp = 1"
+            )
+    return True

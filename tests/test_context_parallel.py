@@ -1,0 +1,157 @@
+"""Context parallel (`parallel.cp`): head-tail sequence chunks, K/V all-gathered over cp, exact against the plain model.
+
+One 4-rank gloo world runs every multi-rank case (process start is the costly part): the reference model at
+pp2 x cp2 with uneven padding and clipping, HF Llama at tp2 x cp2, a sliding-window Mistral at pp2 x cp2; each
+takes two AdamW steps and passes the float64 verdict on the loss, every full gradient and the parameters
+(pp_tp/parity/lockstep.py). The refusals are one line each, before any collective.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import replace
+
+import parity_utils as pu
+import pytest
+import torch
+from harness import World
+
+from pp_tp.config import ParallelConfig, config_from_dict, resolve_parallel, validate
+from pp_tp.errors import ConfigError
+from pp_tp.parallel.fsdp import grad_factor
+
+WORLD = 4
+
+
+@pytest.fixture(scope="module")
+def world():
+    w = World(WORLD)
+    yield w
+    w.close()
+
+
+def _compare(pcfg: ParallelConfig, hf: bool = False, model=None, steps: int = 2) -> dict:
+    """Runs on every rank: the pipelined build against the plain one in lockstep, `steps` steps, clipped at 1.0."""
+    if model is None:
+        return pu.compare(pcfg, hf=hf, steps=steps, max_norm=1.0)
+    state = {k: v.detach().clone() for k, v in model().state_dict().items()}
+    ids, labels = pu.batch(pu.TINY, 8, 16)
+    ref = pu.ReferenceRun(_loaded(model, state), pu.adamw(), 1.0)
+    pipe = pu.pp_tp.build_pipeline(model(device="meta"), pu.mesh_for(pcfg), pcfg, state_dict=copy.deepcopy(state))
+    run = pu.PipelineRun(pipe, pu.adamw(), 1.0)
+    result = pu.summary(list(pu.lockstep(run, ref, [(ids, labels)] * steps)))
+    pp_rank = pipe.mesh["pp"].get_local_rank()
+    return {**result, "names": sorted(run.keys), "all_names": sorted(ref.grads()), "pp_rank": pp_rank}
+
+
+def _loaded(model, state: dict):
+    m = model()
+    m.load_state_dict(state)
+    return m
+
+
+def _mistral(device: str = "cpu"):
+    """A tiny Mistral whose window (4) is shorter than the sequence (16): sliding-window layers under cp."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, sliding_window=4,
+                        attn_implementation="sdpa")  # fmt: skip
+    with torch.device(device):
+        return MistralForCausalLM(cfg)
+
+
+def _chunks(_: int) -> list:
+    """Runs on every rank: which positions this cp rank holds and the mask it builds (pp2 x cp2, seq 8)."""
+    mesh = pu.mesh_for(pu.pcfg_of(pp=2, cp=2))
+    from pp_tp.parallel.context_parallel import ContextParallel
+
+    cp = ContextParallel(mesh)
+    ids = torch.arange(8).expand(2, -1)
+    positions = cp.local_positions(2, 8, torch.device("cpu"))[0].tolist()
+    return [cp.shard(ids)[0].tolist(), positions, cp.mask(4, torch.device("cpu")).int().tolist()]
+
+
+def test_head_tail_chunks_and_mask(world):
+    out = world.run(_chunks, 0)
+    assert out[0][0] == [0, 1, 6, 7] and out[0][1] == [0, 1, 6, 7]  # cp rank 0: chunks 0 and 3
+    assert out[1][0] == [2, 3, 4, 5]  # cp rank 1: chunks 1 and 2 (rank 1 of 4 is pp0, cp1)
+    # rank 0's queries (0, 1, 6, 7) against keys in gathered order (0, 1, 6, 7, 2, 3, 4, 5)
+    assert out[0][2] == [
+        [1, 0, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0, 0],
+        [1, 1, 1, 0, 1, 1, 1, 1],
+        [1, 1, 1, 1, 1, 1, 1, 1],
+    ]
+
+
+def test_reference_pp2_cp2_uneven_padding(world):
+    """Rows padded unevenly (labels -100), two microbatches, clipping at 1.0: every cp rank counts its tokens."""
+    pu.assert_parity(world.run(_compare, pu.pcfg_of(pp=2, cp=2, microbatches=2)))
+
+
+def test_hf_llama_tp2_cp2(world):
+    pu.assert_parity(world.run(_compare, pu.pcfg_of(pp=1, tp=2, cp=2, microbatches=2), True))
+
+
+def test_sliding_window_mistral_pp2_cp2(world):
+    pu.assert_parity(world.run(_compare, pu.pcfg_of(pp=2, cp=2, microbatches=2), model=_mistral))
+
+
+def _refused_build(pcfg: ParallelConfig) -> str:
+    """Runs on every rank: a build that must be refused by every rank with the same line."""
+    try:
+        pu.pipeline(pcfg, pu.reference_state(MOE), MOE)
+    except ConfigError as e:
+        return str(e)
+    return "built"
+
+
+MOE = replace(pu.TINY, n_experts=4, top_k=2, moe_ffn_dim=16)
+
+
+def test_moe_under_cp_is_refused_by_every_rank(world):
+    lines = world.run(_refused_build, pu.pcfg_of(pp=2, cp=2, microbatches=2))
+    assert len(set(lines)) == 1 and "mixture-of-experts" in lines[0], lines
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(cp=2, ep=2, dp_shard=2), "parallel.ep = 2 with parallel.cp = 2: expert parallel"),
+        (dict(cp=2, dp_replicate=2), "parallel.dp_replicate = 2 with parallel.cp = 2"),
+        (dict(cp=2, compile=True), "parallel.compile = true with parallel.cp = 2"),
+        (dict(cp=2, activation_checkpoint="full"), "parallel.activation_checkpoint = 'full' with parallel.cp = 2"),
+        (dict(cp=2, pp=2, schedule="ZBVZeroBubble", microbatches=4), "split-backward schedules"),
+        (dict(cp=0), "parallel.cp"),
+    ],
+)
+def test_parallel_rules_under_cp(kw, message):
+    with pytest.raises(ConfigError, match=re.escape(message)) as e:
+        resolve_parallel(ParallelConfig(**{"dp_shard": 1, **kw}), ParallelConfig(**{"dp_shard": 1, **kw}).world_size)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "sections, message",
+    [
+        (dict(training={"seq_len": 30}), "training.seq_len = 30 is not divisible by 2 * parallel.cp = 4"),
+        (dict(data={"source": "tokens", "path": "x", "eos_id": 0, "document_mask": True}), "data.document_mask"),
+        (dict(model={"kind": "vit"}, data={"source": "images"}), "is not a language model"),
+    ],
+)
+def test_job_rules_under_cp(sections, message, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ConfigError, match=re.escape(message)):  # config_from_dict validates
+        validate(config_from_dict({"parallel": {"cp": 2, "dp_shard": 1}, **sections}), 2)
+
+
+def test_cp_one_leaves_the_mesh_and_config_as_they_were():
+    """cp = 1: dp_shard from the same product and the same FSDP factor as before; cp ranks leave dp_shard alone
+    and join the factor."""
+    p = resolve_parallel(ParallelConfig(pp=2, tp=2, dp_shard=-1, microbatches=2), 8)
+    assert (p.cp, p.dp_shard, grad_factor(p)) == (1, 2, 2)
+    p = resolve_parallel(ParallelConfig(pp=2, cp=2, dp_shard=-1, microbatches=2), 8)
+    assert (p.dp_shard, grad_factor(p)) == (2, 4)

@@ -1,0 +1,172 @@
+"""A family's experts are one record (`ExpertsSpec`, `ModelLayout.experts_spec`): every MoE layout declares the
+values its config says, and a family whose experts are named and stored unlike transformers' (the expert on dim 1,
+its own weight names, its own count attribute) runs expert parallel exactly with nothing but its record: at
+pp2 x ep2 and at pp2 x tp2 (TP of experts), judged in lockstep against the plain model (pp_tp/parity/lockstep.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import parity_utils as pu
+import pytest
+import torch
+import torch.nn.functional as F
+from test_hf_families import make
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+import pp_tp
+from pp_tp.extend import ExpertsSpec, PackedSwiGLU, register_layout
+from pp_tp.layout import layout_for
+from pp_tp.models.reference import REFERENCE, Transformer
+from pp_tp.models.reference.moe import MoE
+from pp_tp.parity import PipelineRun, ReferenceRun, lockstep
+
+MOE = dataclasses.replace(pu.TINY, n_experts=4, top_k=2, n_shared_experts=1, moe_ffn_dim=16, moe_every=2)
+
+
+# --- (a) every MoE layout's record holds what its config says -------------------------------------------------
+
+
+def test_reference_record():
+    spec = layout_for(pu.make_model(MOE, device="meta")).experts_spec
+    assert spec == ExpertsSpec(
+        modules=("feed_forward.experts",), n_experts=4, top_k=2, tp=True,
+        routers=("feed_forward.gate",), bias=("feed_forward.gate.expert_bias",),
+    )  # fmt: skip
+    sigmoid = dataclasses.replace(MOE, router="sigmoid", top_k=3, n_experts=6)
+    spec = layout_for(pu.make_model(sigmoid, device="meta")).experts_spec
+    assert (spec.n_experts, spec.top_k, spec.routers) == (6, 3, ())
+    assert layout_for(pu.make_model(device="meta")).experts_spec is None
+
+
+@pytest.mark.parametrize(
+    "name, modules, routers, bias",
+    [
+        ("mixtral_moe", ("mlp.experts",), ("mlp.gate",), ()),
+        ("qwen3_moe", ("mlp.experts",), ("mlp.gate",), ()),
+        ("deepseek_v3", ("mlp.experts",), (), ("mlp.gate.e_score_correction_bias",)),  # sigmoid router: no aux loss
+    ],
+)
+def test_hf_records(name, modules, routers, bias):
+    model = make(name, "meta")
+    spec, c = layout_for(model).experts_spec, model.config
+    count = getattr(c, "num_local_experts", None) or getattr(c, "n_routed_experts", None) or c.num_experts
+    assert (spec.modules, spec.n_experts, spec.top_k) == (modules, count, c.num_experts_per_tok)
+    assert (spec.routers, spec.bias, spec.grouped, spec.expert_dim) == (routers, bias, False, 0)
+    assert spec.weights == PackedSwiGLU() and spec.count_attr == "num_experts"
+
+
+def test_gpt_oss_record_says_how_its_experts_are_stored():
+    spec = layout_for(make("gpt_oss", "meta")).experts_spec
+    assert spec.weights == PackedSwiGLU(
+        gate_up_dim=2, down_dim=1, concatenated=False, gate_up_bias="gate_up_proj_bias", down_bias="down_proj_bias"
+    )
+
+
+def test_torchtitan_record():
+    pytest.importorskip("torchtitan")
+    from test_torchtitan import EXPERTS, deepseek_v3_config
+
+    with torch.device("meta"):
+        model = deepseek_v3_config().build()
+    spec = layout_for(model).experts_spec
+    assert spec == ExpertsSpec(
+        modules=("moe.routed_experts.inner_experts",), n_experts=EXPERTS, top_k=2, grouped=True, weights=None,
+        bias=("moe.expert_bias_E",),
+    )  # fmt: skip
+
+
+# --- (b) a family whose experts are stored otherwise, declared by its record alone -------------------------------
+
+
+class ToyExperts(nn.Module):
+    """SwiGLU experts stored unlike transformers': `w_in` [dim, E, 2 * hidden] (gate then up) and `w_out`
+    [hidden, E, dim], the expert on dim 1; the forward loops over `self.count` experts, ids outside ignored."""
+
+    def __init__(self, n_experts: int, dim: int, hidden: int):
+        super().__init__()
+        self.count = n_experts
+        self.w_in = nn.Parameter(torch.empty(dim, n_experts, 2 * hidden))
+        self.w_out = nn.Parameter(torch.empty(hidden, n_experts, dim))
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden)
+        for e in range(self.count):
+            token, slot = torch.nonzero(top_k_index == e, as_tuple=True)
+            gate, up = (hidden[token] @ self.w_in[:, e]).chunk(2, dim=-1)
+            y = (F.silu(gate) * up) @ self.w_out[:, e]
+            out = out.index_add(0, token, y * top_k_weights[token, slot, None])
+        return out
+
+
+class ToyMoE(Transformer):
+    """The reference Transformer with ToyExperts in its MoE layers."""
+
+    def __init__(self, args):
+        super().__init__(args)
+        for block in self.layers.values():
+            if isinstance(block.feed_forward, MoE):
+                block.feed_forward.experts = ToyExperts(args.n_experts, args.dim, args.expert_dim)
+
+
+def _toy_layout(model: ToyMoE):
+    layout = REFERENCE.specialize(model)
+    weights = PackedSwiGLU(gate_up="w_in", down="w_out", gate_up_dim=2, down_dim=0)
+    spec = dataclasses.replace(layout.experts_spec, expert_dim=1, weights=weights, count_attr="count")
+    return dataclasses.replace(layout, name="toy_moe", experts_spec=spec)
+
+
+register_layout(dataclasses.replace(REFERENCE, name="toy_moe", matches=lambda m: isinstance(m, ToyMoE),
+                                    specialize=_toy_layout))  # fmt: skip
+
+
+def _toy(device: str) -> ToyMoE:
+    with torch.device(device):
+        return ToyMoE(MOE)
+
+
+def _toy_state() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    model = _toy("cpu")
+    state = {k: torch.randn(p.shape, generator=gen) * 0.05 + k.endswith("norm.weight") for k, p in
+             model.named_parameters()}  # fmt: skip
+    state.update({k: torch.randn(b.shape, generator=gen) * 0.05 for k, b in pu.persistent_buffers(model).items()})
+    return state
+
+
+def _placement(p: torch.Tensor, dim: str):
+    """How `p` is split over the mesh dim `dim` (None: not a DTensor over it)."""
+    names = p.device_mesh.mesh_dim_names if isinstance(p, DTensor) else ()
+    return p.placements[names.index(dim)] if dim in names else None
+
+
+def toy_case(kw: dict) -> dict:
+    pcfg = pu.pcfg_of(pp=2, schedule="1F1B", microbatches=2, **kw)
+    state = _toy_state()
+    ref_model = _toy("cpu")
+    ref_model.load_state_dict(state, strict=False)
+    pipe = pp_tp.build_pipeline(_toy("meta"), pu.mesh_for(pcfg), pcfg, state_dict=copy.deepcopy(state))
+    run, ref = PipelineRun(pipe, pu.adamw()), ReferenceRun(ref_model, pu.adamw())
+    ids, labels = pu.batch(MOE, 8, 16)
+    result = pu.summary(list(lockstep(run, ref, [(ids, labels)] * 2)))
+    experts = [m for part in pipe.model_parts for m in part.modules() if isinstance(m, ToyExperts)]
+    dim, want = ("ep", Shard(1)) if pcfg.ep > 1 else ("tp", Shard(0))  # w_out: experts on dim 1, hidden on dim 0
+    split = [_placement(m.w_out, dim) == want and m.count == 4 // pcfg.ep for m in experts]
+    result["split"] = bool(split) and all(split)
+    result["counted"] = sum(int(c.sum()) for c in pipe.moe_stats["tokens_per_expert"].values())
+    return result
+
+
+def toy_cases() -> list[dict]:
+    return [toy_case(kw) for kw in (dict(dp_shard=2, ep=2), dict(tp=2))]
+
+
+def test_toy_family_runs_expert_parallel_and_tp_of_experts_from_its_record(world):
+    for rank in world(4).run(toy_cases):
+        for kw, r in zip(("ep2", "tp2"), rank):
+            pu.assert_passes(r, kw)
+            assert r["split"], (kw, r)
+            assert r["counted"] == 8 * 16 * 2, (kw, r)  # every token's top-2 slots, one MoE layer per pp rank

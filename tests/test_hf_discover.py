@@ -1,0 +1,127 @@
+"""Hugging Face causal LMs that declare no `base_model_pp_plan`: structure found from their own forward
+(pp_tp/models/hf/discover.py), exact against the model's own run, or refused in one line; Llama 4 (text); and
+randomness beyond dropout in a family's training forward (pp_tp/models/hf/randomness.py), refused while on.
+
+Tiny configs built here, fp32. Exactness: loss, every full gradient and the parameters after two AdamW steps against
+the model's own run, in lockstep (pp_tp/parity/lockstep.py, the float64 verdict), all cases in one 4-rank world.
+"""
+
+from __future__ import annotations
+
+import parity_utils as pu
+import pytest
+import torch
+import transformers as T
+from test_hf_families import _state
+
+import pp_tp
+from pp_tp.errors import ConfigError
+from pp_tp.layout import layout_for
+from pp_tp.models.reference.model import ModelArgs
+
+VOCAB, SEQ = 64, 16
+IDS = dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+BASE = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    max_position_embeddings=64, **IDS,
+)  # fmt: skip
+OPT = dict(
+    hidden_size=32, ffn_dim=64, num_hidden_layers=4, num_attention_heads=4, max_position_embeddings=64,
+    word_embed_proj_dim=32, dropout=0.0,
+)  # fmt: skip
+CONFIGS = {
+    "gpt2": lambda **kw: T.GPT2Config(
+        n_embd=32, n_layer=4, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **IDS, **kw
+    ),
+    "opt": lambda **kw: T.OPTConfig(**{**OPT, **IDS, **kw}),
+    "bloom": lambda **kw: T.BloomConfig(hidden_size=32, n_layer=4, n_head=4, **IDS, **kw),
+    "llama4_text": lambda **kw: T.Llama4TextConfig(
+        **BASE, intermediate_size_mlp=64, head_dim=8, num_local_experts=4, attention_chunk_size=4, **kw
+    ),
+    "phimoe": lambda **kw: T.PhimoeConfig(**BASE, num_local_experts=4, **kw),
+}
+
+
+def make(name: str, device: str = "cpu", **kw) -> torch.nn.Module:
+    with torch.device(device):
+        return T.AutoModelForCausalLM.from_config(CONFIGS[name](**kw))
+
+
+def one_line(name: str, match: str, **kw) -> None:
+    with pytest.raises(ConfigError, match=match) as e:
+        layout_for(make(name, "meta", **kw))
+    assert "\n" not in str(e.value)
+
+
+def test_gpt2_and_opt_structures_are_found_from_their_forward():
+    gpt2 = layout_for(make("gpt2", "meta"))
+    assert (gpt2.embed, gpt2.blocks, gpt2.norm, gpt2.head) == ("transformer.wte", "transformer.h", "transformer.ln_f",
+                                                               "lm_head")  # fmt: skip
+    assert gpt2.after_embed_modules == ("transformer.wpe", "transformer.drop") and gpt2.embed_call is not None
+    assert "declares no base_model_tp_plan" in gpt2.tp_refusal  # no TP plan: tp > 1 refused in one line
+    opt = layout_for(make("opt", "meta"))
+    assert (opt.embed, opt.blocks, opt.norm) == ("model.decoder.embed_tokens", "model.decoder.layers",
+                                                 "model.decoder.final_layer_norm")  # fmt: skip
+    assert opt.after_embed_modules == ("model.decoder.embed_positions",)
+
+
+def test_the_gpt2_first_stage_adds_learned_positions_as_its_forward_does():
+    from pp_tp.split.plan import StageSpec
+    from pp_tp.stages.stage_module import StageModule
+
+    torch.manual_seed(0)
+    model = make("gpt2").eval()
+    lay = layout_for(model)
+    first = StageModule(model, lay, StageSpec(0, 0, True, [], False, [lay.embed]))
+    ids = torch.randint(0, VOCAB, (2, 8))
+    want = model.transformer.wte(ids) + model.transformer.wpe(torch.arange(8))
+    assert torch.equal(first(ids), want)
+    shifted = torch.arange(8).unsqueeze(0) + 3  # packed documents' positions reach the position embedding
+    assert torch.equal(first(ids, shifted), model.transformer.wte(ids) + model.transformer.wpe(shifted))
+
+
+def test_structures_it_cannot_prove_are_refused_in_one_line():
+    one_line("bloom", r"BloomForCausalLM: its forward hands its layers 'alibi', which pp_tp does not compute")
+    one_line("opt", r"runs \['final_layer_norm', 'project_out'\] after its layers", word_embed_proj_dim=16)
+
+
+def test_llama4_text_gets_a_layout_with_chunked_attention():
+    lay = layout_for(make("llama4_text", "meta"))
+    assert (lay.embed, lay.blocks, lay.norm) == ("model.embed_tokens", "model.layers", "model.norm")
+
+
+def test_router_noise_is_refused_while_on_naming_its_key():
+    one_line("phimoe", r"PhimoeForCausalLM: .*outside dropout \(router_jitter_noise = 0.01\).*set router_jitter_noise")
+    assert layout_for(make("phimoe", "meta", router_jitter_noise=0.0)).blocks == "model.layers"
+
+
+def case(name: str, kw: dict, config: dict, steps: int = 2) -> dict:
+    """Per rank: the float64 verdict of loss, gradients and parameters after each step against the model's own run."""
+    pcfg = pu.pcfg_of(**kw)
+    state = _state(make(name, **config))
+    ids, labels = pu.batch(ModelArgs(vocab_size=VOCAB), 8, SEQ, pad=True)
+    torch.manual_seed(0)
+    model = make(name, **config)
+    model.load_state_dict(state, strict=False)
+    pipe = pp_tp.build_pipeline(make(name, "meta", **config), pu.mesh_for(pcfg), pcfg, state_dict=state)
+    run, ref = pu.PipelineRun(pipe, pu.adamw()), pu.ReferenceRun(model, pu.adamw())
+    return pu.summary(list(pu.lockstep(run, ref, [(ids, labels)] * steps)))
+
+
+DP2 = dict(pp=2, dp_shard=2, schedule="1F1B", microbatches=2)
+CASES = [
+    ("gpt2", DP2, {}),
+    ("opt", dict(DP2, schedule="Interleaved1F1B"), {}),
+    ("llama4_text", DP2, {}),
+    ("phimoe", dict(pp=2, tp=2, schedule="1F1B", microbatches=2), dict(router_jitter_noise=0.0)),
+]
+
+
+def run_cases() -> list[dict]:
+    return [case(*c) for c in CASES]
+
+
+def test_families_without_a_pp_plan_match_their_own_run(world):
+    for per_rank in world(4).run(run_cases):
+        for c, r in zip(CASES, per_rank):
+            pu.assert_passes(r, *c)
