@@ -162,11 +162,13 @@ ORDER = ["tp", "float8", "activation_checkpoint", "compile", "fsdp"]
 def check_order(r: dict) -> None:
     """What each pass must find on entry: TP shards first, float8 converts TP's shards, AC wraps the converted
     block, compile sees the checkpointed block, FSDP shards the compiled, checkpointed block."""
-    assert [name for name, _ in r["seen"]] == ["tp", "experts", *ORDER[1:]] and r["changed"] == ORDER  # no experts
+    # no experts and cp = 1: those two passes run and change nothing
+    assert [name for name, _ in r["seen"]] == ["tp", "experts", "context_parallel", *ORDER[1:]]
+    assert r["changed"] == ORDER
     seen = dict(r["seen"])
     off = {"tp_sharded": False, "float8": 0, "checkpointed": False, "compiled": False, "fsdp": False}
     assert seen["tp"] == off
-    assert seen["experts"] == {**off, "tp_sharded": True}
+    assert seen["experts"] == seen["context_parallel"] == {**off, "tp_sharded": True}
     assert seen["float8"] == {**off, "tp_sharded": True}
     assert seen["activation_checkpoint"] == {**seen["float8"], "float8": 2}
     assert seen["compile"] == {**seen["activation_checkpoint"], "checkpointed": True}
