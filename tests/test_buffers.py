@@ -205,10 +205,12 @@ def test_linear_attention_is_refused_by_name():
 def test_an_unsupported_tp_style_is_named_without_blaming_experts():
     from pp_tp.models.hf.tp_plan import block_tp_plan
 
+    config = self_check.small_config(T.LlamaConfig())
+    config.base_model_tp_plan = {**config.base_model_tp_plan, "layers.*.self_attn": "mystery_rule"}
     with torch.device("meta"):
-        model = T.AutoModelForCausalLM.from_config(self_check.small_config(T.GraniteSWAConfig()))
-    _, why = block_tp_plan(model, "layers")
-    assert "'local_params'" in why and "experts" not in why, why
+        model = T.AutoModelForCausalLM.from_config(config)
+    _, why = block_tp_plan(model, "layers", list(model.model.layers))
+    assert "'mystery_rule'" in why and "experts" not in why, why
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.bool])

@@ -87,6 +87,7 @@ FAMILIES = {
     "apertus": ("apertus", {}, "sdpa"),
     "qwen2_moe": ("qwen2_moe", {}, "sdpa"),
     "gpt_oss": ("gpt_oss", {}, "eager"),
+    "granite_swa_sinks": ("granite_swa", {}, "eager"),  # HF's `local_params` attention: sinks split by heads
 }
 
 
@@ -175,6 +176,7 @@ CASES4 = [
     ("cohere2_sliding", dict(pp=2, schedule="Interleaved1F1B", microbatches=2, **TP)),
     ("qwen2_window_layers", dict(pp=2, schedule="1F1B", microbatches=2, **TP)),
     ("qwen3_moe", dict(pp=2, dp_shard=2, schedule="1F1B", microbatches=2)),
+    ("granite_swa_sinks", dict(pp=2, schedule="1F1B", microbatches=2, **TP)),
 ]
 CASES8 = [
     ("llama_tied", dict(pp=2, dp_shard=2, schedule="1F1B", microbatches=2, **TP)),

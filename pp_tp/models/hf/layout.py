@@ -247,7 +247,7 @@ def compose(model: nn.Module) -> ModelLayout:
     block_kwargs = _params(blocks[0].forward) | pp_plan.block_kwargs
     ctx = BlockContext(model, rotary, types, block_kwargs)
     attention = next((n for n, m in blocks[0].named_children() if "Attention" in type(m).__name__), "self_attn")
-    tp_plan, tp_refusal = block_tp_plan(model, blocks_key)
+    tp_plan, tp_refusal = block_tp_plan(model, blocks_key, blocks)
     # The family's plan covers every config of it (dense layers, shared experts, ...): keep what this one has.
     tp_plan = rules_present(tp_plan, blocks)
     tp_refusal = tp_refusal or _kernel_dropout(model)

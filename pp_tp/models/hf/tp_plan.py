@@ -6,6 +6,8 @@ module holding column-parallel layers, so backward all-reduces once per sub-bloc
 `rowwise_split_input` on `gate_up_proj` / `qkv_proj`) are split per part instead; elsewhere (GQA's unequal q/k/v
 parts, full-width q/k norms) HF's gather is kept, which is exact. MLA (`mla_kv_a_proj`) is split by heads around its
 latents, which stay whole on every rank.
+HF's `local_params` on an attention module (its forward on its own local shards) makes the bare parameters it
+names `colwise` (attention sinks, one per head) split by heads, as GPT-OSS's supplied rule does.
 Styles pp_tp cannot honour give the layout a `tp_refusal`, raised in one line when parallel.tp > 1.
 MoE experts modules come from `base_model_ep_plan` (`ep_dispatch_experts`); their declared TP (`moe_tp_experts`
 with `packed_colwise` gate/up and `rowwise` down) is pp_tp's experts pass (pp_tp.parallel.experts), not a style.
@@ -89,8 +91,8 @@ def _is_expert_rule(rule: str, experts: tuple[str, ...]) -> bool:
     return any(rule == e or rule.startswith(e + ".") for e in experts)
 
 
-def block_tp_plan(model: nn.Module, blocks_key: str) -> tuple[dict[str, str], str | None]:
-    """(block-relative plan, refusal text or None) from the config's base_model_tp_plan."""
+def block_tp_plan(model: nn.Module, blocks_key: str, blocks: list[nn.Module]) -> tuple[dict[str, str], str | None]:
+    """(block-relative plan, refusal text or None) from the config's base_model_tp_plan for these `blocks`."""
     family = type(model).__name__
     declared = declared_tp_plan(model.config)
     if not declared:
@@ -102,7 +104,7 @@ def block_tp_plan(model: nn.Module, blocks_key: str) -> tuple[dict[str, str], st
     experts, experts_tp = block_experts(model, blocks_key)
     plan: dict[str, str] = {}
     by_head: set[str] = set()  # attention modules holding per-head parameters
-    for rule, style in declared.items():
+    for rule, style in _local_params(declared, blocks, prefix).items():
         if not rule.startswith(prefix):
             continue  # embedding and head are pp_tp's own (parallel.embedding, parallel.loss_parallel)
         if experts_tp and _is_expert_rule(rule[len(prefix) :], experts):
@@ -125,6 +127,28 @@ def block_tp_plan(model: nn.Module, blocks_key: str) -> tuple[dict[str, str], st
     styles = {p: "replicate_input_local_heads" if p in local_heads else "replicate_input" for p in parents}
     styles.update(dict.fromkeys(by_head, "replicate_input_head_params"))
     return {**dict(sorted(styles.items())), **plan}, None
+
+
+def _local_params(declared: dict[str, str], blocks: list[nn.Module], prefix: str) -> dict[str, str]:
+    """HF's `local_params` on an attention module runs its forward on its own parameters' local shards; the bare
+    parameters it names `colwise` (attention sinks: one per head) are split by heads with q/k/v, which is pp_tp's
+    `sharded_by_head`. Any other rule under it stays as declared; `local_params` itself leaves the plan."""
+    owners = {r for r, s in declared.items() if s == "local_params" and r.startswith(prefix)}
+    out = {}
+    for rule, style in declared.items():
+        owner, _, leaf = rule.rpartition(".")
+        if rule in owners:
+            continue
+        if owner in owners and style == "colwise" and _holds_parameter(blocks, owner[len(prefix) :], leaf):
+            style = _BY_HEAD
+        out[rule] = style
+    return out
+
+
+def _holds_parameter(blocks: list[nn.Module], path: str, name: str) -> bool:
+    """Whether some block's module at `path` has a parameter of its own named `name` (not a child module's)."""
+    modules = (dict(block.named_modules()).get(path) for block in blocks)
+    return any(m is not None and name in dict(m.named_parameters(recurse=False)) for m in modules)
 
 
 def _mla(plan: dict[str, str]) -> dict[str, str]:
