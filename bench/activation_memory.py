@@ -2,6 +2,11 @@
 
     python bench/activation_memory.py
     python bench/activation_memory.py --m 2 4 8 16 --pp 2
+    python bench/activation_memory.py --cp 1 2 4 --seq 512   # context parallel at one global sequence
+
+With --cp: pp2 x cp (2 x cp ranks, 1F1B, m = 2) for each cp at the same global batch and sequence, the step's
+peak of saved activations per rank against cp = 1 (the issue's bar: at most 0.55x at cp2, 0.30x at cp4) and
+against the dry-run planner's prediction for the same job (pp_tp.planner.plan_job, run in this process).
 
 Measured: the most bytes autograd holds for backward at once during one real step on each rank
 (pp_tp.planner.SavedActivations: saved tensors counted live, per storage, parameters excluded).
@@ -16,11 +21,13 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import World, default_stages_per_rank, table, warm_pipeline
+from common import World, batch, default_stages_per_rank, table, warm_pipeline
 from torch import nn
 
-from pp_tp.models.reference.model import ModelArgs
-from pp_tp.planner import SavedActivations, peak_held_bytes
+import pp_tp
+from pp_tp.config import config_from_dict
+from pp_tp.models.reference.model import ModelArgs, Transformer
+from pp_tp.planner import SavedActivations, peak_held_bytes, plan_job
 from pp_tp.planner.schedule_sim import schedule_actions
 from pp_tp.runtime.loss import TokenSumLoss
 
@@ -56,12 +63,70 @@ def measure(schedule: str, stages_per_rank: int, m: int, pp: int, args: ModelArg
     }
 
 
+def measure_cp(pcfg: pp_tp.ParallelConfig, args: ModelArgs, rows: int, seq: int) -> dict:
+    """On every rank: the peak of saved activations over one step (after a warm-up step) of a pp x cp pipeline."""
+    pipe = pp_tp.build_pipeline(Transformer(args), pp_tp.build_mesh(pcfg), pcfg, seq_len=seq)
+    ids, labels = batch(args, rows, seq)
+    pipe.step(ids, labels)
+    with SavedActivations(nn.ModuleList(pipe.model_parts)) as saved:
+        pipe.step(ids, labels)
+    return {
+        "pp rank": pipe.mesh.get_local_rank("pp"),
+        "cp rank": pipe.mesh.get_local_rank("cp") if pcfg.cp > 1 else 0,
+        "peak": saved.peak,
+    }
+
+
+def planned_cp(pcfg: pp_tp.ParallelConfig, args: ModelArgs, rows: int, seq: int) -> list[int]:
+    """The planner's activation peak per pp rank for the same job (no process group: run before any World)."""
+    model = {k: getattr(args, k) for k in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")}
+    parallel = {k: getattr(pcfg, k) for k in ("pp", "cp", "dp_shard", "schedule", "microbatches", "mixed_precision")}
+    cfg = config_from_dict(
+        {
+            "model": {**model, "max_seq_len": seq},
+            "parallel": parallel,
+            "training": {"batch_size": rows, "seq_len": seq},
+        },
+        world_size=pcfg.world_size,
+    )
+    return plan_job(cfg, pcfg.world_size).schedules[0].act_peak_bytes
+
+
+def main_cp(cps: list[int], seq: int) -> None:
+    """pp2 x cp for each cp at one global batch and sequence: measured peaks per rank against cp = 1 and the plan."""
+    args = ModelArgs(vocab_size=512, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384, max_seq_len=seq)
+    rows, out = 4, []
+    for cp in cps:
+        pcfg = pp_tp.ParallelConfig(pp=2, cp=cp, dp_shard=1, schedule="1F1B", microbatches=2, mixed_precision="fp32")
+        planned = planned_cp(pcfg, args, rows, seq)
+        world = World(pcfg.world_size)
+        try:
+            out += [(cp, r, planned[r["pp rank"]]) for r in world.run(measure_cp, pcfg, args, rows, seq)]
+        finally:
+            world.close()
+    base = {r["pp rank"]: r["peak"] for cp, r, _ in out if cp == 1}
+    table_rows = [("cp", "pp rank", "cp rank", "measured MiB", "vs cp=1", "planned MiB", "measured/planned")]
+    for cp, r, plan in sorted(out, key=lambda x: (x[0], x[1]["pp rank"], x[1]["cp rank"])):
+        vs = f"{r['peak'] / base[r['pp rank']]:.3f}" if base else "-"
+        mib = f"{r['peak'] / 2**20:.2f}"
+        table_rows.append((cp, r["pp rank"], r["cp rank"], mib, vs, f"{plan / 2**20:.2f}", f"{r['peak'] / plan:.3f}"))
+    print(
+        f"model dim={args.dim} layers={args.n_layers} heads={args.n_heads}/{args.n_kv_heads} vocab={args.vocab_size}; "
+        f"global batch {rows}x{seq}; pp=2 x cp, 1F1B, m=2; fp32"
+    )
+    print(table(table_rows))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--m", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--cp", type=int, nargs="+", default=None, help="context-parallel degrees (cp 1 first)")
     a = parser.parse_args()
+    if a.cp:
+        main_cp(a.cp, a.seq)
+        return
     args = ModelArgs(vocab_size=512, dim=128, n_layers=4 * a.pp, n_heads=4, ffn_dim=384, max_seq_len=a.seq)
     rows = [
         (

@@ -1,4 +1,5 @@
-"""Loading a published-format (per-expert) DeepSeek-like checkpoint per rank: peak memory and time (issue 34).
+"""Loading a published-format (per-expert) DeepSeek-like checkpoint per rank, and saving it back: peak memory and
+time (issue 34).
 
     python bench/moe_checkpoint_load.py                 # MLA + 16 experts, 350 MiB fp32, pp1 x ep4 on 4 ranks
     python bench/moe_checkpoint_load.py --experts 32 --fp8
@@ -10,8 +11,11 @@ DeepSeek-V3 is published, block FP8 with 128 x 128 scales). Each of 4 gloo ranks
 (VmHWM after resetting it) against the checkpoint's size; its own parameters' bytes; the peak above the RSS before
 `load_stage` while the stage's values are read (the stage's own pages are first touched there); the build's and
 the reading's wall time (the build includes preflight and the HF self-check); and the same build from seeded values
-(no checkpoint). Then, in this process, transformers' from_pretrained of the whole model (wall time, peak RSS
-growth). Run from the repository root with PYTHONPATH=. (or after pip install -e .).
+(no checkpoint). Then each rank runs `save_pretrained` of what it loaded (20 MB files) and reports its peak RSS
+growth over the save against one whole packed expert tensor (no rank gathers one: experts go one at a time) and
+the save's time, side by side with the same save gathering each packed expert tensor whole (as before). Then, in
+this process, transformers' from_pretrained of the whole model (wall time, peak RSS growth). Run from the
+repository root with PYTHONPATH=. (or after pip install -e .).
 """
 
 from __future__ import annotations
@@ -73,7 +77,7 @@ def size_of(path: str) -> int:
     return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
 
 
-def rank_case(path: str | None, experts: int) -> dict:
+def rank_case(path: str | None, experts: int, out: str | None = None, whole: bool = False) -> dict:
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)
@@ -91,7 +95,27 @@ def rank_case(path: str | None, experts: int) -> dict:
     own = sum(p.to_local().numel() * 4 if hasattr(p, "to_local") else p.numel() * 4
               for part in pipe.model_parts for p in part.parameters())  # fmt: skip
     return {"growth": (max(peak, reading.hwm) - before) * 1024, "own": own, "s": seconds, "read": reading.growth,
-            "read_s": reading.seconds, "casts": dict(pipe.checkpoint_casts)}  # fmt: skip
+            "read_s": reading.seconds, "casts": dict(pipe.checkpoint_casts),
+            **(saving(pipe, out, whole) if out else {})}  # fmt: skip
+
+
+def saving(pipe, out: str, whole: bool) -> dict:
+    """The peak RSS growth and time of this rank's part of `save_pretrained`, and the bytes of the largest packed
+    expert tensor (whole). `whole`: the save as it was before per-expert gathers (no parameter known as experts, so
+    each is gathered whole and split by transformers' reverse conversion), side by side."""
+    from pp_tp.hf_checkpoint import save
+    from pp_tp.hf_checkpoint.per_expert import expert_dims
+
+    params = {k: p for part in pipe.model_parts for k, p in part.named_parameters()}
+    packed = max(params[k].numel() * params[k].element_size() for k in expert_dims(pipe.model_parts))
+    before = _reset_peak()
+    start = time.perf_counter()
+    orig, save.expert_dims = save.expert_dims, (lambda parts: {}) if whole else save.expert_dims
+    try:
+        pipe.save_pretrained(out, max_shard_size="20MB")
+    finally:
+        save.expert_dims = orig
+    return {"save": (_kib("VmHWM") - before) * 1024, "save_s": time.perf_counter() - start, "packed": packed}
 
 
 class _ReadingPeak:
@@ -137,7 +161,8 @@ def main() -> None:
     size = size_of(path)
     world = World(4)
     try:
-        ranks = world.run(rank_case, path, args.experts)
+        ranks = world.run(rank_case, path, args.experts, path + "_saved")
+        wholes = world.run(rank_case, path, args.experts, path + "_saved", True)
         seeded = world.run(rank_case, None, args.experts)
     finally:
         world.close()
@@ -153,6 +178,11 @@ def main() -> None:
     rows.append(("from_pretrained", f"{hf_growth / mib:.0f}", f"{hf_growth / size:.3f}", "", "", "", f"{hf_s:.1f}",
                  "", ""))  # fmt: skip
     print(f"checkpoint {path}: {size / mib:.0f} MiB, {args.experts} experts, fp8={args.fp8}; casts {ranks[0]['casts']}")
+    print(table(rows))
+    rows = [("", "save peak RSS growth MiB", "gathering whole MiB", "packed expert tensor MiB", "save s",
+             "gathering whole s")]  # fmt: skip
+    rows += [(f"rank {i}", f"{r['save'] / mib:.1f}", f"{w['save'] / mib:.1f}", f"{r['packed'] / mib:.1f}",
+              f"{r['save_s']:.1f}", f"{w['save_s']:.1f}") for i, (r, w) in enumerate(zip(ranks, wholes))]  # fmt: skip
     print(table(rows))
 
 

@@ -40,7 +40,7 @@ def _shapes(
         if skeleton is not None:
             return InferredShapes(skeleton, checked.layout, checked.plan, microbatch, dtype, act_dtype)
         check_seq_len(microbatch[1], d, key="Pipeline.step: the batch's seq")
-        return BoundaryShapes(microbatch[0], microbatch[1], d.dim, vocab_local, act_dtype)
+        return BoundaryShapes(microbatch[0], microbatch[1], d.dim, vocab_local, act_dtype, d.streams)
 
     return shapes
 

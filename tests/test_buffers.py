@@ -22,7 +22,6 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 import pp_tp
 from pp_tp.base.tensors import persistent_buffers
 from pp_tp.errors import ConfigError
-from pp_tp.layout import layout_for
 from pp_tp.models.hf import self_check
 from pp_tp.models.hf.layout import compose
 from pp_tp.preflight.verdict import agreed
@@ -193,13 +192,6 @@ def test_the_self_check_is_deterministic_and_leaves_the_rng_alone():
     verdicts = {self_check._verdict(type(model), small, compose) for _ in "ab"}
     assert torch.equal(torch.get_rng_state(), before)
     assert verdicts == {None}
-
-
-def test_linear_attention_is_refused_by_name():
-    with torch.device("meta"):
-        model = T.AutoModelForCausalLM.from_config(self_check.small_config(T.Qwen3NextConfig()))
-    with pytest.raises(ConfigError, match=r"Qwen3NextForCausalLM: config.layer_types has 'linear_attention' layers"):
-        layout_for(model)
 
 
 def test_an_unsupported_tp_style_is_named_without_blaming_experts():

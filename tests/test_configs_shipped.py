@@ -26,6 +26,8 @@ SHIPPED = {
     "vit_cpu": (4, (2, 2, 1, 1), 1, (4, 8), 0.00013857, [2, 2]),
     "corpus_cpu": (4, (2, 1, 1, 2), 1, (4, 2), 0.0008695, [2, 2]),
     "llama3_8b": (8, (2, 2, 1, 2), 1, (8, 1), 8.03, [16, 16]),
+    "llama3_8b_128k": (512, (2, 8, 1, 1), 1, (8, 1), 8.03, [16, 16]),  # cp32 beside these
+    "long_context_cpu": (4, (2, 1, 1, 1), 1, (2, 1), 0.0002177, [2, 2]),  # cp2 beside these
     "llama3_70b": (32, (4, 8, 1, 1), 2, (16, 1), 70.55, [10] * 8),
     "llama3_405b": (1024, (8, 8, 1, 16), 1, (32, 1), 405.85, [15] + [16] * 6 + [15]),
     "qwen3_235b_a22b": (256, (8, 1, 1, 32), 1, (32, 1), 235.09, [12] * 6 + [13, 9]),
@@ -61,7 +63,9 @@ def test_a_shipped_config_refuses_the_wrong_world_size():
         load_config(os.path.join(REPO, "toml_configs", "llama3_8b.toml"), world_size=16)
 
 
-@pytest.mark.parametrize("name", ["llama3_8b", "llama3_70b", "llama3_405b", "qwen3_235b_a22b", "deepseek_v3_671b"])
+@pytest.mark.parametrize(
+    "name", ["llama3_8b", "llama3_8b_128k", "llama3_70b", "llama3_405b", "qwen3_235b_a22b", "deepseek_v3_671b"]
+)
 def test_multi_node_configs_fit_80_gb_per_the_planner(name):
     """The planner's largest per-rank peak at the config's own world size, "auto" policies resolved."""
     from pp_tp.planner import plan_job

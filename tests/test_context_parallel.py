@@ -1,21 +1,21 @@
 """Context parallel (`parallel.cp`): head-tail sequence chunks, K/V all-gathered over cp, exact against the plain model.
 
 One 4-rank gloo world runs every multi-rank case (process start is the costly part): the reference model at
-pp2 x cp2 with uneven padding and clipping, HF Llama at tp2 x cp2, a sliding-window Mistral at pp2 x cp2; each
-takes two AdamW steps and passes the float64 verdict on the loss, every full gradient and the parameters
-(pp_tp/parity/lockstep.py). The refusals are one line each, before any collective.
+pp2 x cp2 with uneven padding and clipping, HF Llama at tp2 x cp2, a sliding-window Mistral at pp2 x cp2, a V
+schedule's split backward under full activation checkpointing, HSDP with compiled blocks; each takes two AdamW
+steps and passes the float64 verdict on the loss, every full gradient and the parameters (pp_tp/parity/lockstep.py).
+MoE with EP and balancing under cp: tests/test_moe_balancing.py; packed documents: tests/test_document_mask.py.
+The refusals are one line each, before any collective.
 """
 
 from __future__ import annotations
 
 import copy
 import re
-from dataclasses import replace
 
 import parity_utils as pu
 import pytest
 import torch
-from harness import World
 
 from pp_tp.config import ParallelConfig, config_from_dict, resolve_parallel, validate
 from pp_tp.errors import ConfigError
@@ -24,11 +24,10 @@ from pp_tp.parallel.fsdp import grad_factor
 WORLD = 4
 
 
-@pytest.fixture(scope="module")
-def world():
-    w = World(WORLD)
-    yield w
-    w.close()
+@pytest.fixture
+def world(world):
+    """The session's 4-rank world (tests/conftest.py): process start is the costly part."""
+    return world(WORLD)
 
 
 def _compare(pcfg: ParallelConfig, hf: bool = False, model=None, steps: int = 2) -> dict:
@@ -100,31 +99,21 @@ def test_sliding_window_mistral_pp2_cp2(world):
     pu.assert_parity(world.run(_compare, pu.pcfg_of(pp=2, cp=2, microbatches=2), model=_mistral))
 
 
-def _refused_build(pcfg: ParallelConfig) -> str:
-    """Runs on every rank: a build that must be refused by every rank with the same line."""
-    try:
-        pu.pipeline(pcfg, pu.reference_state(MOE), MOE)
-    except ConfigError as e:
-        return str(e)
-    return "built"
-
-
-MOE = replace(pu.TINY, n_experts=4, top_k=2, moe_ffn_dim=16)
-
-
-def test_moe_under_cp_is_refused_by_every_rank(world):
-    lines = world.run(_refused_build, pu.pcfg_of(pp=2, cp=2, microbatches=2))
-    assert len(set(lines)) == 1 and "mixture-of-experts" in lines[0], lines
+def test_split_backward_with_recompute_and_hsdp_with_compile_under_cp(world):
+    """The K/V all-gather's backward inside a split (input / weight) backward, recomputed by full activation
+    checkpointing; and FSDP over (dp_replicate, dp_shard x cp) with compiled blocks."""
+    for kw in (
+        dict(pp=2, cp=2, microbatches=4, schedule="ZBVZeroBubble", activation_checkpoint="full"),
+        dict(pp=1, cp=2, dp_replicate=2, microbatches=2, compile=True),
+    ):
+        pu.assert_parity(world.run(_compare, pu.pcfg_of(**kw)))
 
 
 @pytest.mark.parametrize(
     "kw, message",
     [
-        (dict(cp=2, ep=2, dp_shard=2), "parallel.ep = 2 with parallel.cp = 2: expert parallel"),
-        (dict(cp=2, dp_replicate=2), "parallel.dp_replicate = 2 with parallel.cp = 2"),
-        (dict(cp=2, compile=True), "parallel.compile = true with parallel.cp = 2"),
-        (dict(cp=2, activation_checkpoint="full"), "parallel.activation_checkpoint = 'full' with parallel.cp = 2"),
-        (dict(cp=2, pp=2, schedule="ZBVZeroBubble", microbatches=4), "split-backward schedules"),
+        (dict(cp=2, ep=4, dp_shard=1), "parallel.ep = 4 with parallel.cp = 2: the EP group spans all cp ranks"),
+        (dict(cp=4, ep=2, dp_shard=2), "so ep must be cp times a divisor of dp_shard; set parallel.ep to one of 4, 8"),
         (dict(cp=0), "parallel.cp"),
     ],
 )
@@ -138,7 +127,6 @@ def test_parallel_rules_under_cp(kw, message):
     "sections, message",
     [
         (dict(training={"seq_len": 30}), "training.seq_len = 30 is not divisible by 2 * parallel.cp = 4"),
-        (dict(data={"source": "tokens", "path": "x", "eos_id": 0, "document_mask": True}), "data.document_mask"),
         (dict(model={"kind": "vit"}, data={"source": "images"}), "is not a language model"),
     ],
 )
@@ -155,3 +143,32 @@ def test_cp_one_leaves_the_mesh_and_config_as_they_were():
     assert (p.cp, p.dp_shard, grad_factor(p)) == (1, 2, 2)
     p = resolve_parallel(ParallelConfig(pp=2, cp=2, dp_shard=-1, microbatches=2), 8)
     assert (p.dp_shard, grad_factor(p)) == (2, 4)
+
+
+def _kv_ledger(pcfg: ParallelConfig) -> dict:
+    """Runs on every rank: one step's collectives on the cp group (after a warm-up step) and the planner's bytes."""
+    from pp_tp.diagnostics.comm_ledger import CommLedger
+    from pp_tp.planner.context import kv_gather_bytes
+
+    run = pu.pipeline(pcfg, pu.reference_state())
+    pipe, (ids, labels) = run.pipe, pu.batch(pu.TINY, 8, 16)
+    pipe.step(ids, labels)
+    with CommLedger() as led:
+        pipe.step(ids, labels)
+    cp = pipe.mesh.get_group("cp").group_name
+    on_cp = [(e.kind, e.nbytes) for e in led.events if e.group == cp and e.kind in ("all_gather", "all_reduce")]
+    layers = sum(len(p.block_modules()) for p in pipe.model_parts)
+    dims = pipe.model_parts[0].layout.dims(pu.make_model(device="meta"))
+    return {"on_cp": on_cp, "layers": layers, "analytic": kv_gather_bytes(8 // pcfg.microbatches, 16, dims, pcfg)}
+
+
+def test_kv_all_gather_bytes_equal_the_planners(world):
+    """Per attention layer and microbatch: K and V each all-gathered once over cp, together the planner's
+    kv_gather_bytes; their gradients summed back once each (an all-reduce on gloo) of the same size."""
+    pcfg = pu.pcfg_of(pp=2, cp=2, microbatches=2)
+    for r in world.run(_kv_ledger, pcfg):
+        per_step = 2 * r["layers"] * pcfg.microbatches  # K and V, per layer and microbatch
+        gathers = [n for kind, n in r["on_cp"] if kind == "all_gather"]
+        sums = [n for kind, n in r["on_cp"] if kind == "all_reduce" and n == r["analytic"] // 2]
+        assert r["layers"] == 2 and len(gathers) == per_step and len(sums) == per_step, r
+        assert sum(gathers) == r["layers"] * pcfg.microbatches * r["analytic"] == 2 * 2 * 8192, r

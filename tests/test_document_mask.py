@@ -24,14 +24,15 @@ from pp_tp.train.packing import document_positions
 VOCAB, SEQ, EOS = 64, 24, 2
 
 
-def _model(name: str, device: str = "cpu") -> torch.nn.Module:
+def _model(name: str, device: str = "cpu", layers: int = 2) -> torch.nn.Module:
     with torch.device(device):
         if name == "reference":
-            return Transformer(ModelArgs(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48,
-                                         max_seq_len=32))  # fmt: skip
+            return Transformer(ModelArgs(vocab_size=VOCAB, dim=32, n_layers=layers, n_heads=4, n_kv_heads=2,
+                                         ffn_dim=48, max_seq_len=32))  # fmt: skip
         config = T.MistralConfig(
-            hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            vocab_size=VOCAB, max_position_embeddings=64, sliding_window=3, tie_word_embeddings=True, eos_token_id=EOS,
+            hidden_size=32, intermediate_size=48, num_hidden_layers=layers, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, sliding_window=3,
+            tie_word_embeddings=True, eos_token_id=EOS,
         )  # fmt: skip
         return T.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
@@ -70,14 +71,17 @@ def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def document_case(name: str) -> dict:
+PP2_TP2 = dict(pp=2, tp=2, schedule="1F1B", microbatches=2, embedding="vocab_parallel")
+
+
+def document_case(name: str, layout: dict = PP2_TP2, layers: int = 2) -> dict:
     """Per rank: the float64 verdict (pp_tp/parity/lockstep.py) against the per-document run over two AdamW steps; the
     packed batch without positions and the forward-only evaluation against the plain per-document loss."""
-    pcfg = pu.pcfg_of(pp=2, tp=2, schedule="1F1B", microbatches=2, embedding="vocab_parallel")
-    model = _model(name)
+    pcfg = pu.pcfg_of(**layout)
+    model = _model(name, layers=layers)
     state = _state(model)
     model.load_state_dict(state, strict=False)
-    pipe = pp_tp.build_pipeline(_model(name, "meta"), pu.mesh_for(pcfg), pcfg, state_dict=state)
+    pipe = pp_tp.build_pipeline(_model(name, "meta", layers), pu.mesh_for(pcfg), pcfg, state_dict=state)
     run = pu.PipelineRun(pipe, pu.adamw())
     ref = pu.ReferenceRun(model, pu.adamw(), loss_of=_per_document_loss)
     ids, labels, positions = _packed_batch(4)
@@ -99,6 +103,21 @@ def test_packed_documents_equal_each_document_alone_at_pp2_tp2(world):
             pu.assert_passes(r, name)
             assert r["eval"] <= 1e-5, (name, r)  # forward only: one loss, no optimizer in between
             assert r["plain_gap"] > 1e-3, (name, r)  # the mask matters on this batch: 100x the evaluation's bound
+
+
+@pytest.mark.parametrize(
+    "name, schedule",
+    [
+        ("reference", dict(schedule="Interleaved1F1B", microbatches=2)),
+        ("mistral_tied_sliding", dict(schedule="ZBVZeroBubble", microbatches=4)),
+    ],
+)
+def test_packed_documents_under_context_parallel(world, name, schedule):
+    """pp2 x cp2, two stages per rank: each cp rank's head-tail chunks keep their queries inside their documents
+    (position ids gathered over cp), on an interleaved and a V schedule with split backward."""
+    for r in world(4).run(document_case, name, dict(pp=2, cp=2, **schedule), 4):
+        pu.assert_passes(r, name, schedule)
+        assert r["eval"] <= 1e-5 and r["plain_gap"] > 1e-4, (name, r)  # the mask matters: 10x the bound
 
 
 def test_positions_restart_after_every_eos_and_layouts_without_document_inputs_are_refused():

@@ -4,9 +4,9 @@ The sweep builds each family's default config shrunk by pp_tp's `small_config` w
 router biases stirred) and compares one `Pipeline.step` on 4 ranks (pp2 x tp2; MoE pp2 x dp_shard2) with the
 model's own forward + backward: loss, every full gradient, persistent buffers and parameter coverage. Checked here:
 dense families (a tied one on the default embedding, two with a dropout module in their pipeline plan) and MoE
-families with a persistent router bias come out exact, and families pp_tp cannot run (linear attention, an
-activation parameter no TP rule covers) are refused in the same line on every rank, for that reason. No family may
-be wrong.
+families with a persistent router bias come out exact, and families pp_tp cannot run (a layer fed by the previous
+layer's output, an activation parameter no TP rule covers) are refused in the same line on every rank, for that
+reason. No family may be wrong.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import family_sweep  # noqa: E402  (bench/family_sweep.py)
 EXACT = ["llama", "phi3", "deepseek_v2", "glm4_moe", "dots1", "gemma2", "gpt_neox", "phi"]
 # model type -> what the refusal names
 REFUSED = {
-    "qwen3_next": "'linear_attention' layers",
+    "hy_v4": "previous layer's 'topk_indices'",
     "apertus": "alpha_p",
 }
 

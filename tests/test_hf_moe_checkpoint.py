@@ -1,8 +1,10 @@
 """Published MoE checkpoints in and out (issue 34): per-expert on-disk layouts read through transformers' own
-conversion mapping, each rank reading only its experts; block-FP8 dequantized on read; export back to the
-layout from_pretrained reads; bad input refused in one line.
+conversion mapping, each rank reading only its experts; block FP8 and MXFP4 dequantized on read; one training step
+from the loaded weights equal to the model's own run; export back to the layout from_pretrained reads, gathered one
+expert at a time; bad input refused in one line.
 
-All multi-rank cases run in one 4-rank world (process start is the costly part)."""
+All multi-rank cases run in one 4-rank world (process start is the costly part): pp2 x ep2 and pp2 x tp2 (TP
+experts), pp2 x dp2 (FSDP shards the expert dim); pp2 x ep2 x tp2 would take 8 ranks."""
 
 from __future__ import annotations
 
@@ -15,18 +17,22 @@ import parity_utils as pu
 import pytest
 import torch
 import torch.distributed as dist
-from test_hf_families import VOCAB, _state, make
+from test_hf_families import SEQ, VOCAB, _state, make
 
 import pp_tp
 from pp_tp.base.tensors import full_tensor, persistent_buffers
 from pp_tp.errors import ConfigError
-from pp_tp.hf_checkpoint import open_checked
+from pp_tp.hf_checkpoint import open_checked, save
+from pp_tp.hf_checkpoint.per_expert import expert_dims
 from pp_tp.hf_checkpoint.source import HFSource
+from pp_tp.models.reference.model import ModelArgs
+from pp_tp.parity.lockstep import dp_share, mean_token_loss
 
 FAMILIES = ("mixtral_moe", "qwen3_moe", "deepseek_v3", "gpt_oss")
 LAYOUTS = {
     "pp2_ep2": dict(pp=2, dp_shard=2, ep=2, schedule="1F1B", microbatches=2),
     "pp2_tp2": dict(pp=2, tp=2, schedule="1F1B", microbatches=2),
+    "pp2_dp2": dict(pp=2, dp_shard=2, schedule="1F1B", microbatches=2),
 }
 BLOCK = (16, 16)
 
@@ -45,6 +51,10 @@ def _from_pretrained(path: str) -> dict[str, torch.Tensor]:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
 
 
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    return pu.batch(ModelArgs(vocab_size=VOCAB), 4, SEQ)
+
+
 def _compare(pipe, want: dict[str, torch.Tensor]) -> dict:
     """Every full parameter and persistent buffer against `want`: keys that differ (exact), and how many."""
     differ, n = [], 0
@@ -61,12 +71,12 @@ def _compare(pipe, want: dict[str, torch.Tensor]) -> dict:
 
 
 def _reading(*args, **kwargs):
-    """`build_pipeline(*args, **kwargs)`, recording the on-disk keys the rank reads."""
+    """`build_pipeline(*args, **kwargs)`, recording each on-disk box the rank reads: (key, offset, shape)."""
     read, orig = [], HFSource._leaf
 
-    def spy(self, files, leaf, *args):
-        read.append(leaf.key)
-        return orig(self, files, leaf, *args)
+    def spy(self, files, leaf, offset, out):
+        read.append((leaf.key, offset, tuple(out.shape)))
+        return orig(self, files, leaf, offset, out)
 
     HFSource._leaf = spy
     try:
@@ -75,23 +85,33 @@ def _reading(*args, **kwargs):
         HFSource._leaf = orig
 
 
-def _experts_read(read: list[str]) -> list[int]:
-    return sorted({int(m.group(1)) for k in read if (m := re.search(r"\.experts\.(\d+)\.", k))})
+def _experts_read(read: list) -> list[int]:
+    return sorted({int(m.group(1)) for k, _, _ in read if (m := re.search(r"\.experts\.(\d+)\.", k))})
 
 
 def load_case(tmp: str) -> list[dict]:
-    """Each family at each layout: the loaded model equals from_pretrained of the same directory, exactly."""
+    """Each family at pp2 x ep2 and pp2 x tp2: the loaded model equals from_pretrained of the same directory
+    exactly, and one AdamW step from it passes the float64 verdict against the model's own run (loss, every full
+    gradient, the updated parameters)."""
     out = []
+    ids, labels = _batch()
     for name in FAMILIES:
         src = _saved(tmp, name)
         want = _from_pretrained(src)
-        for layout, kw in LAYOUTS.items():
+        for layout in ("pp2_ep2", "pp2_tp2"):
+            kw = LAYOUTS[layout]
             pcfg = pu.pcfg_of(**kw)
             mesh = pu.mesh_for(pcfg)
             pipe, read = _reading(make(name, "meta"), mesh, pcfg, checkpoint=src)
+            loaded = _compare(pipe, want)
+            torch.manual_seed(0)
+            model = make(name)
+            model.load_state_dict(want, strict=False)
+            run, ref = pu.PipelineRun(pipe, pu.adamw()), pu.ReferenceRun(model, pu.adamw())
+            step = pu.summary(list(pu.lockstep(run, ref, [(ids, labels)])))
             ep_rank = mesh["ep"].get_local_rank() if kw.get("ep", 1) > 1 else None
             out.append({"family": name, "layout": layout, "experts_read": _experts_read(read), "ep_rank": ep_rank,
-                        **_compare(pipe, want)})  # fmt: skip
+                        **loaded, "score": step["score"], "scores": step["scores"]})  # fmt: skip
     return out
 
 
@@ -106,48 +126,117 @@ def fp8_case(tmp: str) -> dict:
     dist.barrier()
     pcfg = pu.pcfg_of(**LAYOUTS["pp2_ep2"])
     pipe = pp_tp.build_pipeline(make("deepseek_v3", "meta"), pu.mesh_for(pcfg), pcfg, checkpoint=fp8)
-    orig = _from_pretrained(src)
-    worst = max(
+    return {**_compare(pipe, _from_pretrained(deq)), "worst_vs_original": _worst(pipe, _from_pretrained(src)),
+            "casts": dict(pipe.checkpoint_casts)}  # fmt: skip
+
+
+def _worst(pipe, orig: dict[str, torch.Tensor]) -> float:
+    return max(
         ((full_tensor(p.detach()) - orig[k]).norm() / orig[k].norm()).item()
         for part in pipe.model_parts
         for k, p in part.named_parameters()
     )
-    return {**_compare(pipe, _from_pretrained(deq)), "worst_vs_original": worst, "casts": dict(pipe.checkpoint_casts)}
+
+
+def mxfp4_case(tmp: str) -> list[dict]:
+    """GPT-OSS with MXFP4 experts as published, at pp2 x ep2 and pp2 x tp2: parameters equal transformers'
+    dequantization (from_pretrained of the same directory) exactly, within FP4 rounding of the originals; each rank
+    reads only its experts' (EP) or its output rows' (TP) blocks and scales."""
+    src, q = _saved(tmp, "gpt_oss"), os.path.join(tmp, "mxfp4")
+    if dist.get_rank() == 0:
+        mu.to_mxfp4(src, q)
+    dist.barrier()
+    want, orig, out = _from_pretrained(q), _from_pretrained(src), []
+    for layout in ("pp2_ep2", "pp2_tp2"):
+        pcfg = pu.pcfg_of(**LAYOUTS[layout])
+        mesh = pu.mesh_for(pcfg)
+        pipe, read = _reading(make("gpt_oss", "meta"), mesh, pcfg, checkpoint=q)
+        boxes = [(k, off, shape) for k, off, shape in read if k.endswith("_blocks")]
+        ep_rank = mesh["ep"].get_local_rank() if layout == "pp2_ep2" else None
+        out.append({"layout": layout, **_compare(pipe, want), "worst_vs_original": _worst(pipe, orig),
+                    "casts": dict(pipe.checkpoint_casts), "experts": {(off[0], shape[0]) for _, off, shape in boxes},
+                    "share": _share(q, boxes), "ep_rank": ep_rank})  # fmt: skip
+    return out
+
+
+def _share(path: str, boxes: list) -> float:
+    """The largest fraction of one MXFP4 tensor (counted dequantized: two values a byte) the boxes read."""
+    from safetensors import safe_open
+
+    size = {}
+    for name in (f for f in os.listdir(path) if f.endswith(".safetensors")):
+        with safe_open(os.path.join(path, name), framework="pt") as f:
+            size.update({k: 2 * torch.Size(f.get_slice(k).get_shape()).numel() for k in f.keys()})
+    read: dict[str, int] = {}
+    for k, _, shape in boxes:
+        read[k] = read.get(k, 0) + torch.Size(shape).numel()
+    return max(n / size[k] for k, n in read.items())
 
 
 def roundtrip_case(tmp: str, name: str, layout: str) -> dict:
-    """Load, one training step, save_pretrained: from_pretrained of the output equals the trained weights, and
-    the output is in the family's published (per expert) layout."""
+    """Load, two AdamW steps, save_pretrained: from_pretrained of the output (one process) equals the trained
+    weights exactly and gives the pipeline's loss; the output has the source's (per expert) keys; no packed expert
+    tensor was gathered whole."""
     src, out = _saved(tmp, name), os.path.join(tmp, f"out_{name}_{layout}")
     pcfg = pu.pcfg_of(**LAYOUTS[layout])
-    pipe = pp_tp.build_pipeline(make(name, "meta"), pu.mesh_for(pcfg), pcfg, checkpoint=src)
-    params = [p for part in pipe.model_parts for p in part.parameters()]
-    gen = torch.Generator().manual_seed(0)  # the same batch on every rank (TP ranks must see one)
-    ids = torch.randint(0, VOCAB, (4, 16), generator=gen)
-    pipe.step(ids, torch.roll(ids, -1, 1))
-    torch.optim.SGD(params, lr=0.5).step()
-    pipe.save_pretrained(out, max_shard_size="100KB")
+    mesh = pu.mesh_for(pcfg)
+    pipe = pp_tp.build_pipeline(make(name, "meta"), mesh, pcfg, checkpoint=src)
+    run, (ids, labels) = pu.PipelineRun(pipe, pu.adamw()), _batch()
+    for _ in range(2):
+        run.step(ids, labels)
+    whole, gather = [], save._gather_unit
+
+    def spy(unit, *args):
+        whole.extend([unit.key] if unit.dim is None else [])
+        return gather(unit, *args)
+
+    save._gather_unit = spy
+    try:
+        pipe.save_pretrained(out, max_shard_size="100KB")
+    finally:
+        save._gather_unit = gather
+    loss = float(pipe.evaluate(dp_share(mesh, ids), dp_share(mesh, labels)))
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        plain = float(mean_token_loss(exported, ids, labels))
     with open(os.path.join(out, "model.safetensors.index.json")) as f:
         keys = sorted(json.load(f)["weight_map"])
     with open(os.path.join(src, "model.safetensors.index.json")) as f:
         src_keys = sorted(json.load(f)["weight_map"])
-    return {**_compare(pipe, _from_pretrained(out)), "same_keys": keys == src_keys, "files": len(os.listdir(out))}
+    experts = expert_dims(pipe.model_parts)
+    return {**_compare(pipe, exported.state_dict()), "same_keys": keys == src_keys, "loss": loss, "plain": plain,
+            "experts": len(experts), "whole_experts": sorted(set(whole) & set(experts))}  # fmt: skip
 
 
-def test_published_moe_checkpoints_load_per_rank_save_and_dequantize(world, tmp_path):
+def test_published_moe_checkpoints_load_train_save_and_dequantize_per_rank(world, tmp_path):
     w = world(4)
     for rank, results in enumerate(w.run(load_case, str(tmp_path))):
         for r in results:
             assert r["checked"] > 0 and not r["differ"], r
+            pu.assert_passes(r, r["family"], r["layout"])
             if r["ep_rank"] is not None and r["family"] != "gpt_oss":  # GPT-OSS stores its experts packed
                 assert r["experts_read"] == [2 * r["ep_rank"], 2 * r["ep_rank"] + 1], (rank, r)
     for r in w.run(fp8_case, str(tmp_path)):
         assert r["checked"] > 0 and not r["differ"], r
         assert 0 < r["worst_vs_original"] < 0.07, r
         assert sum(n for k, n in r["casts"].items() if "dequantized" in k) > 0, r
-    for name, layout in (("qwen3_moe", "pp2_tp2"), ("mixtral_moe", "pp2_ep2"), ("deepseek_v3", "pp2_ep2")):
+    for results in w.run(mxfp4_case, str(tmp_path)):
+        for r in results:
+            assert r["checked"] > 0 and not r["differ"], r
+            assert 0 < r["worst_vs_original"] < 0.2, r  # e2m1: 3 significant bits
+            assert r["casts"].get("mxfp4 (dequantized) -> float32", 0) > 0, r
+            if r["ep_rank"] is not None:  # 4 experts: this rank's 2, never another's
+                assert r["experts"] == {(2 * r["ep_rank"], 2)} and r["share"] == 0.5, r
+            else:  # TP: every expert, its half of gate and of up (output rows) or of down's inputs
+                assert r["experts"] == {(0, 4)} and r["share"] == 0.5, r
+    for name, layout in (("mixtral_moe", "pp2_ep2"), ("deepseek_v3", "pp2_ep2"), ("qwen3_moe", "pp2_tp2"),
+                         ("mixtral_moe", "pp2_dp2")):  # fmt: skip
         for r in w.run(roundtrip_case, str(tmp_path), name, layout):
             assert r["checked"] > 0 and not r["differ"] and r["same_keys"], (name, layout, r)
+            assert r["experts"] > 0 and not r["whole_experts"], (name, layout, r)
+            assert abs(r["loss"] - r["plain"]) <= 1e-5 * abs(r["plain"]), (name, layout, r)
 
 
 # --- single process: bad input is one line, before any collective ------------------------------------------------
@@ -186,10 +275,9 @@ E = "model.layers.1.block_sparse_moe.experts"
         (_drop(r"layers\.1\..*experts\.3\."), "missing expert 3 of 'model.layers.1.mlp.experts.gate_up_proj'"),
         (lambda t, c: t.update({f"{E}.1.w2.weight": torch.zeros(32, 65)}), f"'{E}.1.w2.weight' has shape (32, 65)"),
         (lambda t, c: c.update(quantization_config={"quant_method": "awq"}), "quant_method = 'awq' is unknown"),
-        (lambda t, c: c.update(quantization_config={"quant_method": "mxfp4"}), "'mxfp4' (GPT-OSS) is not read"),
         (
             lambda t, c: t.update({f"{E}.0.w1.weight": t[f"{E}.0.w1.weight"].to(torch.float8_e4m3fn)}),
-            "config.json has no quantization_config",
+            "config.json has no fp8 quantization_config",
         ),
     ],
 )
@@ -226,3 +314,16 @@ def test_a_conversion_pp_tp_cannot_read_per_rank_is_refused_by_name(mixtral_dir,
     with pytest.raises(ConfigError) as e:
         open_checked(mixtral_dir, make("mixtral_moe", "meta"))
     assert "needs transformers' Interleave conversion" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_mxfp4_blocks_without_their_scales_are_one_line(tmp_path):
+    plain = mu.save_family(make("gpt_oss"), str(tmp_path / "plain"), _state(make("gpt_oss")), max_shard_size="10GB")
+    mu.to_mxfp4(plain, str(tmp_path / "mxfp4"))
+    key = "model.layers.2.mlp.experts.down_proj"
+
+    def change(t, c):
+        del t[key + "_scales"]
+
+    with pytest.raises(ConfigError) as e:
+        open_checked(_edited(str(tmp_path / "mxfp4"), tmp_path / "ck", change), make("gpt_oss", "meta"))
+    assert f"mxfp4 blocks '{key}_blocks' have no scales" in str(e.value) and "\n" not in str(e.value), str(e.value)

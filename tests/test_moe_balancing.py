@@ -134,6 +134,8 @@ CASES = [
     ("moe", dict(pp=2, tp=2, microbatches=2, schedule="1F1B"), 0.1, 0.0),  # router whole on both TP ranks
     ("moe_sigmoid", dict(**EP, schedule="1F1B"), 0.0, 1e-2),
     ("deepseek_v3", dict(**EP, schedule="1F1B"), 0.0, 1e-2),
+    # context parallel: the EP group spans the cp ranks; slots summed over cp for aux_l and the bias update
+    ("moe", dict(pp=2, cp=2, ep=2, microbatches=2, schedule="1F1B"), 0.1, 1e-2),
 ]
 
 

@@ -312,7 +312,6 @@ def test_torchtitan_models_through_pipelining_fn_equal_torchtitan_non_pp(world):
 @pytest.mark.parametrize(
     "par, train, fragment",
     [
-        ({"context_parallel_degree": 2}, {}, r"^parallelism\.context_parallel_degree = 2: not supported"),
         ({}, {"global_batch_size": 64}, r"^training\.global_batch_size = 64: gradient accumulation"),
         ({"pipeline_parallel_microbatch_size": 3}, {}, r"not divisible by parallelism\.pipeline_parallel_microbatch"),
         ({"module_fqns_per_model_part": [["tok_embeddings"]]}, {}, r"^parallelism\.module_fqns_per_model_part"),
@@ -398,3 +397,13 @@ def test_torchtitan_tp_all_reduces_two_forward_two_backward_per_block_and_microb
             ("bwd", "all_reduce", hidden): (2 * LAYERS + 1) * m,  # attention and MLP input grads; the head's
             ("fwd", "all_gather_into_tensor", (rows, SEQ, VOCAB // 2)): m,  # gathered logits
         }, calls
+
+
+def test_context_parallel_degree_maps_to_parallel_cp(monkeypatch):
+    """torchtitan's context_parallel_degree is pp_tp's parallel.cp; data parallel takes what pp x cp x tp leave."""
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    p, t = _sections(pp=2, context_parallel_degree=2)
+    pcfg = parallel_config(dataclasses.replace(p, data_parallel_shard_degree=-1), t)
+    assert (pcfg.pp, pcfg.cp, pcfg.tp, pcfg.dp_shard, pcfg.world_size) == (2, 2, 1, 2, 8)
+    plain = parallel_config(dataclasses.replace(_sections(pp=2)[0], data_parallel_shard_degree=-1), t)
+    assert (plain.cp, plain.dp_shard) == (1, 4)

@@ -19,12 +19,10 @@ from pp_tp.config.schema import (
     ModelConfig,
     ModelShape,
     MoEConfig,
-    ParallelConfig,
     ValidationConfig,
     async_save_allowed,
 )
 from pp_tp.errors import ConfigError
-from pp_tp.schedules.registry import get_schedule_spec, is_csv_schedule
 
 
 def check_validation(v: ValidationConfig, data: DataConfig) -> ValidationConfig:
@@ -172,36 +170,8 @@ def check_data(d: DataConfig) -> DataConfig:
     return d
 
 
-def check_context_parallel(p: ParallelConfig) -> None:
-    """`[parallel]` under context parallel: what pp_tp runs exactly with cp > 1 (docs/design.md, "Context
-    parallel"); everything else refused in one line."""
-    if p.cp == 1:
-        return
-    refused = [
-        (p.ep > 1, f"parallel.ep = {p.ep}", "expert parallel", "set parallel.ep = 1"),
-        (p.dp_replicate > 1, f"parallel.dp_replicate = {p.dp_replicate}", "HSDP", "use parallel.dp_shard instead"),
-        (p.compile, "parallel.compile = true", "compiled blocks", "set parallel.compile = false"),
-        (
-            p.activation_checkpoint != "none",
-            f"parallel.activation_checkpoint = {p.activation_checkpoint!r}",
-            "recomputing the K/V all-gather (untested)",
-            'set parallel.activation_checkpoint = "none"',
-        ),
-        (
-            is_csv_schedule(p.schedule) or get_schedule_spec(p.schedule).splits_weight_grad,
-            f"parallel.schedule = {p.schedule!r}",
-            "CSV and split-backward schedules",
-            'use "GPipe", "1F1B", "Interleaved1F1B" or "LoopedBFS"',
-        ),
-    ]
-    for bad, key, what, fix in refused:
-        if bad:
-            raise ConfigError(f"{key} with parallel.cp = {p.cp}: {what} under context parallel is not supported; {fix}")
-
-
 def check_context_parallel_job(cfg: JobConfig) -> None:
-    """The job under context parallel: whole head-tail chunks per cp rank, a language model on plain causal
-    sequences (packed-document masks under cp are not built yet)."""
+    """The job under context parallel: whole head-tail chunks per cp rank, a language model on token sequences."""
     cp = cfg.parallel.cp
     if cp == 1:
         return
@@ -209,11 +179,6 @@ def check_context_parallel_job(cfg: JobConfig) -> None:
         raise ConfigError(
             f"training.seq_len = {cfg.training.seq_len} is not divisible by 2 * parallel.cp = {2 * cp} (each cp rank "
             f"holds two of {2 * cp} equal chunks); use a multiple of {2 * cp}"
-        )
-    if cfg.data.document_mask:
-        raise ConfigError(
-            f"data.document_mask = true with parallel.cp = {cp}: document masks under context parallel are not "
-            "supported; set data.document_mask = false or parallel.cp = 1"
         )
     kind = MODEL_KINDS.get(cfg.model.kind)
     if (kind is not None and kind.data) or cfg.training.loss:

@@ -11,7 +11,6 @@ from pp_tp.config.schema import SPLIT_ARGS, JobConfig, ParallelConfig, TrainingC
 from pp_tp.config.sections import (
     check_balancing_keys,
     check_checkpoint,
-    check_context_parallel,
     check_context_parallel_job,
     check_data,
     check_model_kind,
@@ -63,11 +62,10 @@ def resolve_parallel(pcfg: ParallelConfig, world_size: int | None = None) -> Par
         )
     spr = p.stages_per_rank if p.stages_per_rank is not None else default_stages_per_rank(p.schedule, p.pp)
     p = dataclasses.replace(p, dp_shard=resolve_dp_shard(p, _world_size(p, world_size)), stages_per_rank=spr)
-    check_ep(p.ep, p.dp_shard)
+    check_ep(p.ep, p.dp_shard, p.cp)
     check_policy_keys(p)
     _check_grad_accum(p)
     check_schedule(p.pp, p.stages_per_rank, p.microbatches, p.schedule, schedule_reshard(p))
-    check_context_parallel(p)
     _check_split_lists(p)
     return p
 
@@ -113,9 +111,16 @@ def resolve_dp_shard(p: ParallelConfig, world: int) -> int:
     return p.dp_shard
 
 
-def check_ep(ep: int, dp_shard: int) -> None:
-    """Expert parallel is carved out of dp_shard (torchtitan's and Megatron's choice), so ep must divide it."""
-    if dp_shard % ep:
+def check_ep(ep: int, dp_shard: int, cp: int = 1) -> None:
+    """Expert parallel is carved out of dp_shard (torchtitan's and Megatron's choice), so ep must divide it; under
+    context parallel out of dp_shard x cp, every cp rank in the EP group (ep a multiple of cp)."""
+    if cp > 1 and ep > 1 and (ep % cp or dp_shard % (ep // cp)):
+        raise ConfigError(
+            f"parallel.ep = {ep} with parallel.cp = {cp}: the EP group spans all cp ranks and part of dp_shard = "
+            f"{dp_shard}, so ep must be cp times a divisor of dp_shard; set parallel.ep to one of "
+            f"{', '.join(str(cp * d) for d in range(1, dp_shard + 1) if dp_shard % d == 0)}"
+        )
+    if cp == 1 and dp_shard % ep:
         raise ConfigError(
             f"parallel.ep = {ep} does not divide parallel.dp_shard = {dp_shard} (the EP group is carved out of "
             f"dp_shard); set parallel.ep to a divisor of {dp_shard} or raise parallel.dp_shard"

@@ -1,5 +1,5 @@
 """Fills one stage's (TP/FSDP/EP-sharded) parameters and its persistent buffers from an HF checkpoint, reading only
-this rank's slices (of a packed expert tensor: only its experts' on-disk tensors, `views.read_box`).
+this rank's slices (of a packed expert tensor: only its experts' on-disk tensors, `views.walk_box`).
 
 torch's `HuggingFaceStorageReader` reads the same `get_slice` blocks, but only inside `dcp.load`, whose
 global planning is a collective and whose copy casts dtypes implicitly; reading the blocks here keeps every
@@ -43,11 +43,13 @@ def load_stage(stage: StageModule, source: HFSource, casts: Counter | None = Non
 
 
 def _count(casts: Counter, view: View, dtype: torch.dtype) -> None:
-    """One count per parameter whose stored dtype differs (block FP8 counted as dequantized)."""
-    stored = {(leaf.dtype, leaf.scale is not None) for leaf in leaves(view)}
-    for src, scaled in sorted(stored, key=str):
-        if scaled:
-            casts[f"{src} (block fp8, dequantized) -> {dtype}".replace("torch.", "")] += 1
+    """One count per parameter whose stored dtype differs (quantized ones counted as dequantized)."""
+    stored = {(leaf.dtype, leaf.method) for leaf in leaves(view)}
+    for src, method in sorted(stored, key=str):
+        if method == "mxfp4":
+            casts[f"mxfp4 (dequantized) -> {dtype}".replace("torch.", "")] += 1
+        elif method is not None:
+            casts[f"{src} (block {method}, dequantized) -> {dtype}".replace("torch.", "")] += 1
         elif src != dtype:
             casts[f"{src} -> {dtype}".replace("torch.", "")] += 1
 

@@ -1,9 +1,15 @@
-"""Quantized published checkpoints: block FP8 (DeepSeek-V3's `quant_method = "fp8"`) dequantized on read.
+"""Quantized published checkpoints, dequantized on read, per rank: block FP8 (DeepSeek-V3's `quant_method = "fp8"`)
+and MXFP4 (GPT-OSS's experts, `quant_method = "mxfp4"`).
 
 DeepSeek-V3 / R1 store each Linear weight as `float8_e4m3fn` with a `weight_scale_inv` of one float per
 `weight_block_size` block (128 x 128; ceil at the edges): the value is fp8 * scale, computed in fp32 and then cast
 to the training dtype, as transformers' `Fp8Dequantize` does. A rank reads its box of the fp8 weight and the scale
-blocks covering it, so dequantizing is block by block and per rank. Any other `quant_method` is refused in one line.
+blocks covering it, so dequantizing is block by block and per rank.
+GPT-OSS stores each packed expert tensor `[E, in, out]` as `*_blocks [E, out, in / 32, 16]` (two e2m1 values a
+byte) and `*_scales [E, out, in / 32]` (a power-of-two exponent, biased by 127, per 32 inputs); a rank reads the
+blocks and scales of its box (its experts, its TP rows, the 32-groups its columns touch) and dequantizes them with
+transformers' own `convert_moe_packed_tensors`, into the parameter's dtype as from_pretrained does (elementwise, so
+equal to dequantizing the whole). Any other `quant_method` is refused in one line.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +27,11 @@ from pp_tp.hf_checkpoint.views import Leaf
 
 FP8 = (torch.float8_e4m3fn,)
 SCALE_SUFFIX = "_scale_inv"
-_READS = "pp_tp reads unquantized weights and block FP8 (quant_method = 'fp8', DeepSeek-V3's format)"
+MX_BLOCKS, MX_SCALES, MX_GROUP = "_blocks", "_scales", 32
+_READS = (
+    "pp_tp reads unquantized weights, block FP8 (quant_method = 'fp8', DeepSeek-V3's format) and MXFP4 experts "
+    "(quant_method = 'mxfp4', GPT-OSS's)"
+)
 
 
 @dataclass(frozen=True)
@@ -28,7 +39,7 @@ class Quantization:
     """What config.json's `quantization_config` says of the stored weights."""
 
     method: str
-    block: tuple[int, int]
+    block: tuple[int, int] | None = None
 
 
 def quantization(path: str) -> Quantization | None:
@@ -42,10 +53,7 @@ def quantization(path: str) -> Quantization | None:
         return None
     method = q.get("quant_method")
     if method == "mxfp4":
-        raise ConfigError(
-            f"checkpoint {path!r}: quantization_config.quant_method = 'mxfp4' (GPT-OSS) is not read per rank; "
-            "dequantize it once with transformers (Mxfp4Config(dequantize=True)) and give that directory"
-        )
+        return Quantization("mxfp4")
     if method != "fp8":
         raise ConfigError(f"checkpoint {path!r}: quantization_config.quant_method = {method!r} is unknown; {_READS}")
     block = q.get("weight_block_size") or (128, 128)
@@ -58,8 +66,12 @@ def quantization(path: str) -> Quantization | None:
 
 
 def pair_scales(path: str, leaves: dict[str, Leaf], quant: Quantization | None) -> dict[str, Leaf]:
-    """The on-disk tensors with every FP8 weight carrying its scale (the scales are consumed). A weight without
-    its scale, a scale of the wrong grid or FP8 weights without an fp8 quantization_config: one line each."""
+    """The on-disk tensors with every quantized weight carrying its scales (the scales are consumed): an FP8 weight
+    under its own key, MXFP4 blocks under the key without `_blocks` (what from_pretrained loads them into). A weight
+    without its scale, a scale of the wrong grid or quantized weights the quantization_config does not declare:
+    one line each."""
+    if quant is not None and quant.method == "mxfp4":
+        leaves = _pair_mxfp4(leaves)
     out = {}
     scales = {k for k in leaves if k.endswith(SCALE_SUFFIX)}
     for key, leaf in leaves.items():
@@ -69,9 +81,9 @@ def pair_scales(path: str, leaves: dict[str, Leaf], quant: Quantization | None) 
         if leaf.dtype not in FP8:
             out[key] = leaf
             continue
-        if quant is None:
+        if quant is None or quant.method != "fp8":
             raise ConfigError(
-                f"checkpoint {leaf.file}: {key!r} is stored as {leaf.dtype} but config.json has no "
+                f"checkpoint {leaf.file}: {key!r} is stored as {leaf.dtype} but config.json has no fp8 "
                 "quantization_config; give the checkpoint's own config.json (quant_method = 'fp8')"
             )
         scale = leaves.get(key + SCALE_SUFFIX)
@@ -86,8 +98,59 @@ def pair_scales(path: str, leaves: dict[str, Leaf], quant: Quantization | None) 
                 f"checkpoint {scale.file}: {scale.key!r} has shape {scale.shape}, the {quant.block} blocks of "
                 f"{key!r} {leaf.shape} need {grid}"
             )
-        out[key] = Leaf(key, leaf.file, leaf.shape, leaf.dtype, scale, quant.block)
+        out[key] = Leaf(key, leaf.file, leaf.shape, leaf.dtype, scale, quant.block, "fp8")
     return out
+
+
+def _pair_mxfp4(leaves: dict[str, Leaf]) -> dict[str, Leaf]:
+    """MXFP4 `X_blocks [E, out, G, 16]` and `X_scales [E, out, G]` as one leaf `X` of the dequantized shape
+    `[E, 32 G, out]` (transformers' layout of the packed expert tensor); unpaired or misshapen: one line."""
+    out = dict(leaves)
+    for key, blocks in leaves.items():
+        if not key.endswith(MX_BLOCKS):
+            continue
+        base = key.removesuffix(MX_BLOCKS)
+        scales = leaves.get(base + MX_SCALES)
+        if scales is None:
+            raise ConfigError(
+                f"checkpoint {blocks.file}: mxfp4 blocks {key!r} have no scales {base + MX_SCALES!r}; every "
+                "*_blocks tensor needs its *_scales"
+            )
+        if len(blocks.shape) != 4 or blocks.shape[3] != MX_GROUP // 2 or scales.shape != blocks.shape[:3]:
+            raise ConfigError(
+                f"checkpoint {blocks.file}: mxfp4 {key!r} {blocks.shape} and {scales.key!r} {scales.shape} are not "
+                f"[experts, out, groups, {MX_GROUP // 2}] and [experts, out, groups]; give GPT-OSS's layout"
+            )
+        e, rows, groups, _ = blocks.shape
+        del out[key], out[scales.key]
+        out[base] = Leaf(key, blocks.file, (e, groups * MX_GROUP, rows), blocks.dtype, scales, None, "mxfp4")
+    return out
+
+
+# (file, key, offset, shape) -> that box of the on-disk tensor
+ReadBox = Callable[[str, str, tuple[int, ...], tuple[int, ...]], torch.Tensor]
+
+
+def read_dequantized(leaf: Leaf, offset: tuple[int, ...], shape: tuple[int, ...], dtype, read: ReadBox) -> torch.Tensor:
+    """The box of a quantized leaf at `offset` of size `shape`, dequantized into `dtype`, reading only the stored
+    bytes and scales the box needs."""
+    if leaf.method == "mxfp4":
+        return _mxfp4_box(leaf, offset, shape, dtype, read)
+    scale_offset, scale_shape = scale_box(offset, shape, leaf.block)
+    scale = read(leaf.scale.file, leaf.scale.key, scale_offset, scale_shape)
+    return dequantize(read(leaf.file, leaf.key, offset, shape), scale, offset, leaf.block, dtype)
+
+
+def _mxfp4_box(leaf: Leaf, offset: tuple[int, ...], shape: tuple[int, ...], dtype, read: ReadBox) -> torch.Tensor:
+    """Box [e, i, o] of `[E, in, out]`: the blocks and scales of experts e, outputs o and the 32-groups covering i,
+    through transformers' `convert_moe_packed_tensors` (-> [e, 32 groups, o]), cut to i."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    (e0, i0, o0), (ne, ni, no) = offset, shape
+    g0, g1 = i0 // MX_GROUP, -(-(i0 + ni) // MX_GROUP)
+    blocks = read(leaf.file, leaf.key, (e0, o0, g0, 0), (ne, no, g1 - g0, MX_GROUP // 2))
+    scales = read(leaf.scale.file, leaf.scale.key, (e0, o0, g0), (ne, no, g1 - g0))
+    return convert_moe_packed_tensors(blocks, scales, dtype=dtype).narrow(1, i0 - g0 * MX_GROUP, ni)
 
 
 def dequantize(

@@ -1,18 +1,18 @@
 """`Pipeline.save_pretrained`: an HF-format directory that `AutoModelForCausalLM.from_pretrained` loads.
 
 MoE experts are written in the layout the family's `from_pretrained` reads (per expert where that is the published
-format): transformers' own reverse conversion (`conversion.Reverter`), one model tensor at a time. Each pp rank
-writes the files of its own stages (its rank at dp/tp coordinate 0 writes; its peers only help
-assemble full tensors from TP/FSDP shards, one tensor at a time), so no rank ever holds the whole model:
-the most a writer holds is one file (`max_shard_size`). File numbers come from one `all_gather_object` of
-every writer's file plan; rank 0 writes the index, config.json and generation_config.json.
+format): the names and shapes of transformers' own reverse conversion (`conversion.Reverter`), and a packed expert
+tensor gathered one expert at a time (`per_expert.py`), so no rank ever holds a whole packed tensor. Each pp rank
+writes the files of its own stages (its rank at dp/ep/tp coordinate 0 writes; its peers only help assemble full
+tensors or experts from TP/EP/FSDP shards, one at a time), so no rank ever holds the whole model: the most a writer
+holds is one file (`max_shard_size`) and one expert. File numbers come from one `all_gather_object` of every
+writer's file plan; rank 0 writes the index, config.json and generation_config.json.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 import re
 import shutil
@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from pp_tp.base.tensors import full_tensor, persistent_buffers
 from pp_tp.errors import ConfigError
 from pp_tp.hf_checkpoint.conversion import Reverter
+from pp_tp.hf_checkpoint.per_expert import Unit, expert_dims, gather_expert, local_positions, units, write_expert
 from pp_tp.hf_checkpoint.source import INDEX, SINGLE
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -62,30 +63,34 @@ def _stored(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
     return dtype if dtype is not None and t.is_floating_point() else t.dtype
 
 
-def _plan_files(owned: list[tuple[str, torch.Tensor]], sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
-    """Model keys grouped into files of at most `max_bytes` written (a bigger tensor gets a file of its own);
-    `sizes`: the bytes each model key writes (all its on-disk tensors)."""
-    files: list[list[str]] = []
+def _plan_files(planned: list[Unit], sizes: list[int], max_bytes: int) -> list[list[Unit]]:
+    """Units grouped into files of at most `max_bytes` written (a bigger unit gets a file of its own); `sizes`: the
+    bytes each unit writes (all its on-disk tensors)."""
+    files: list[list[Unit]] = []
     size = 0
-    for key, _ in owned:
-        n = sizes[key]
+    for unit, n in zip(planned, sizes):
         if not files or (size + n > max_bytes and files[-1]):
             files.append([])
             size = 0
-        files[-1].append(key)
+        files[-1].append(unit)
         size += n
-    return [f for f in files if f]
+    return files
 
 
-def _disk_plan(owned, reverter: Reverter, dtype) -> tuple[dict[str, dict[str, tuple]], dict[str, int], str | None]:
-    """(model key -> {on-disk key: shape}, model key -> bytes written, the refusal if any): transformers' reverse
-    conversion of every owned tensor (per expert where that is the published format)."""
+def _disk_plan(owned, reverter: Reverter, dtype, dims: dict[str, int]) -> tuple[list[Unit], list[int], str | None]:
+    """(the units written, the bytes each writes, the refusal if any): transformers' reverse conversion of every
+    owned tensor (per expert where that is the published format), packed experts split per expert."""
     try:
         disk = reverter.plan((key, tuple(p.shape), _stored(p, dtype)) for key, p in owned)
     except ConfigError as e:
-        return {}, {}, str(e)
-    item = {key: _stored(p, dtype).itemsize for key, p in owned}
-    return disk, {k: sum(math.prod(s) for s in d.values()) * item[k] for k, d in disk.items()}, None
+        return [], [], str(e)
+    planned, sizes = [], []
+    for key, p in owned:
+        stored = _stored(p, dtype)
+        for unit in units(key, tuple(p.shape), stored, disk[key], dims.get(key), reverter):
+            planned.append(unit)
+            sizes.append(unit.nbytes(stored.itemsize))
+    return planned, sizes, None
 
 
 def _is_writer(mesh: DeviceMesh) -> bool:
@@ -150,12 +155,12 @@ def save_pretrained(
     max_bytes = parse_size(max_shard_size)
     owned = _owned(parts)
     reverter = Reverter(config)
-    disk, sizes_of, refusal = _disk_plan(owned, reverter, dtype)
-    files = _plan_files(owned, sizes_of, max_bytes) if refusal is None else []
+    planned, sizes_of, refusal = _disk_plan(owned, reverter, dtype, expert_dims(parts))
+    files = _plan_files(planned, sizes_of, max_bytes) if refusal is None else []
     writer = _is_writer(mesh)
     plans: list = [None] * dist.get_world_size()
-    disk_files = [[n for k in keys for n in disk[k]] for keys in files]
-    mine = (mesh.get_local_rank("pp"), disk_files, sum(sizes_of.values()), refusal)
+    disk_files = [[n for unit in units_ for n in unit.disk] for units_ in files]
+    mine = (mesh.get_local_rank("pp"), disk_files, sum(sizes_of), refusal)
     dist.all_gather_object(plans, mine if writer or refusal else None)
     refusals = [p[3] for p in plans if p is not None and p[3]]
     if refusals:  # every rank refuses together, with the lowest refusing rank's line
@@ -167,16 +172,28 @@ def save_pretrained(
     plans = [p[:2] for p in plans if p is not None]
     names = _file_names(plans)[mesh.get_local_rank("pp")]
     params = dict(owned)
-    for keys, name in zip(files, names):
-        tensors = {}
-        for key in keys:  # every rank of this pp rank gathers in the same order; only the writer keeps it
-            full = full_tensor(params[key].detach()).to(_stored(params[key], dtype))
-            if writer:
-                tensors.update({k: t.contiguous() for k, t in reverter.convert(key, full).items()})
-            del full
+    for units_, name in zip(files, names):
+        tensors: dict[str, torch.Tensor] = {}
+        for unit in units_:  # every rank of this pp rank gathers in the same order; only the writer keeps it
+            _gather_unit(unit, params[unit.key].detach(), _stored(params[unit.key], dtype), reverter, tensors, writer)
         if writer:
             save_file(tensors, os.path.join(path, name), metadata={"format": "pt"})
     if dist.get_rank() == 0:
         first = dtype or (owned[0][1].dtype if owned else torch.float32)
         _write_metadata(path, plans, _file_names(plans), sizes, config, source_dir, first)
     dist.barrier()
+
+
+def _gather_unit(unit: Unit, t: torch.Tensor, stored: torch.dtype, reverter: Reverter, out: dict, writer: bool) -> None:
+    """Gathers what `unit` writes (a whole tensor, or its experts one at a time) and, on the writer, puts its
+    on-disk tensors into `out`."""
+    if unit.dim is None:
+        full = full_tensor(t).to(stored)
+        if writer:
+            out.update({k: v.contiguous() for k, v in reverter.convert(unit.key, full).items()})
+        return
+    positions = local_positions(t, unit.dim)
+    for e in unit.experts:
+        expert = gather_expert(t, unit.dim, e, positions).to(stored)
+        if writer:
+            write_expert(unit, e, expert, out)

@@ -17,8 +17,8 @@ from torch import nn
 from pp_tp.base.tensors import persistent_buffers
 from pp_tp.errors import ConfigError
 from pp_tp.hf_checkpoint.conversion import build_views
-from pp_tp.hf_checkpoint.quantized import dequantize, pair_scales, quantization, scale_box
-from pp_tp.hf_checkpoint.views import Leaf, View, read_box
+from pp_tp.hf_checkpoint.quantized import pair_scales, quantization, read_dequantized
+from pp_tp.hf_checkpoint.views import Leaf, View, walk_box
 from pp_tp.hf_checkpoint.views import leaves as leaves_of
 from pp_tp.stages.stage_module import canonical_names
 
@@ -83,8 +83,8 @@ class HFSource:
                     if dtype is None:
                         raise ConfigError(
                             f"checkpoint {file}: {key!r} has dtype {sl.get_dtype()}, which pp_tp cannot read; "
-                            "store weights as F32, BF16, F16 or block FP8 (integer buffers as I64, I32, I16, I8, U8 "
-                            "or BOOL)"
+                            "store weights as F32, BF16, F16, block FP8 or MXFP4 (integer buffers as I64, I32, I16, "
+                            "I8, U8 or BOOL)"
                         )
                     self.entries[key] = Entry(file, tuple(sl.get_shape()), dtype)
 
@@ -102,15 +102,14 @@ class HFSource:
         keeping files open would count every block read so far twice (mapped and copied).
         """
         with _OpenFiles() as files:
-            read_box(self.views[key], offset, out, lambda *a: self._leaf(files, *a))
+            walk_box(self.views[key], offset, out, lambda *a: self._leaf(files, *a))
 
     def _leaf(self, files, leaf: Leaf, offset: tuple[int, ...], out: torch.Tensor) -> None:
         shape = tuple(out.shape)
-        block = files.block(leaf.file, leaf.key, offset, shape)
-        if leaf.scale is not None:
-            scale_offset, scale_shape = scale_box(offset, shape, leaf.block)
-            scale = files.block(leaf.scale.file, leaf.scale.key, scale_offset, scale_shape)
-            block = dequantize(block, scale, offset, leaf.block, out.dtype)
+        if leaf.method is None:
+            block = files.block(leaf.file, leaf.key, offset, shape)
+        else:
+            block = read_dequantized(leaf, offset, shape, out.dtype, files.block)
         out.copy_(block.to(out.dtype))
 
 
@@ -167,7 +166,7 @@ def check(source: HFSource, model: nn.Module) -> None:
         )
     for key, view in source.views.items():
         for leaf in leaves_of(view):
-            if key in weights and not leaf.dtype.is_floating_point:
+            if key in weights and not leaf.dtype.is_floating_point and leaf.method is None:
                 raise ConfigError(
                     f"checkpoint {leaf.file}: {leaf.key!r} has dtype {leaf.dtype}, not a float type; store weights "
                     "as F32, BF16 or F16"

@@ -3,8 +3,9 @@
 transformers keeps experts packed in memory (`mlp.experts.gate_up_proj [E, 2F, D]`) while checkpoints store
 them per expert; its conversion mapping stacks and concatenates them on load (`conversion.py` reads that mapping
 into these records). A rank needs only its block of the packed tensor, so a box read here walks the composition
-and reads, from each on-disk tensor it touches, only the part inside the box: under EP the rank's experts, under
-TP its rows of gate and of up. No full packed tensor is ever built.
+and reads, from each on-disk tensor it touches, only the part inside the box (`walk_box`; save.py walks it the other
+way, one expert at a time): under EP the rank's experts, under TP its rows of gate and of up. No full packed tensor
+is ever built.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import torch
 
 @dataclass(frozen=True)
 class Leaf:
-    """One on-disk tensor; `scale` is its per-block scale (`weight_scale_inv`) when stored as block FP8."""
+    """One on-disk tensor. Quantized (`method` "fp8" or "mxfp4", quantized.py): `scale` is its scale tensor (block
+    FP8's `weight_scale_inv` per `block`, MXFP4's `*_scales`), `shape` the dequantized one."""
 
     key: str
     file: str
@@ -25,6 +27,7 @@ class Leaf:
     dtype: torch.dtype
     scale: Leaf | None = None
     block: tuple[int, int] | None = None
+    method: str | None = None
 
 
 @dataclass(frozen=True)
@@ -72,8 +75,9 @@ class Transposed:
 
 View = Leaf | Stack | Cat | Transposed
 
-# (leaf, offset, out): fills `out` with the box of the leaf at `offset` (of out's shape), converting its dtype
-LeafReader = Callable[[Leaf, tuple[int, ...], torch.Tensor], None]
+# (leaf, offset, piece): the leaf's box at `offset` (of piece's shape) and the part of the model box it is, a view:
+# a read fills `piece` from the leaf (converting its dtype), a write copies `piece` into the leaf
+Visit = Callable[[Leaf, tuple[int, ...], torch.Tensor], None]
 
 
 def leaves(view: View) -> Iterator[Leaf]:
@@ -87,22 +91,23 @@ def leaves(view: View) -> Iterator[Leaf]:
             yield from leaves(part)
 
 
-def read_box(view: View, offset: tuple[int, ...], out: torch.Tensor, read_leaf: LeafReader) -> None:
-    """Fills `out` with the box of `view` at `offset` (of `out`'s shape), reading only the on-disk bytes inside it,
-    each piece straight into its place in `out` (no second copy of the box is ever held)."""
+def walk_box(view: View, offset: tuple[int, ...], out: torch.Tensor, visit: Visit) -> None:
+    """Visits each on-disk piece of the box of `view` at `offset` (of `out`'s shape) with the view of `out` it is:
+    a read fills `out` touching only the on-disk bytes inside the box, each piece straight into its place (no second
+    copy of the box is ever held); a write (save.py) splits a box of the model tensor into its on-disk tensors."""
     if isinstance(view, Leaf):
-        read_leaf(view, offset, out)
+        visit(view, offset, out)
         return
     if isinstance(view, Transposed):
         swapped = list(offset)
         swapped[view.dim0], swapped[view.dim1] = swapped[view.dim1], swapped[view.dim0]
-        read_box(view.part, tuple(swapped), out.transpose(view.dim0, view.dim1), read_leaf)
+        walk_box(view.part, tuple(swapped), out.transpose(view.dim0, view.dim1), visit)
         return
     d = view.dim
     if isinstance(view, Stack):
         rest = offset[:d] + offset[d + 1 :]
         for i in range(out.shape[d]):
-            read_box(view.parts[offset[d] + i], rest, out.select(d, i), read_leaf)
+            walk_box(view.parts[offset[d] + i], rest, out.select(d, i), visit)
         return
     start = 0
     for part in view.parts:
@@ -110,5 +115,5 @@ def read_box(view: View, offset: tuple[int, ...], out: torch.Tensor, read_leaf: 
         lo, hi = max(offset[d], start), min(offset[d] + out.shape[d], start + n)
         if lo < hi:
             sub = offset[:d] + (lo - start,) + offset[d + 1 :]
-            read_box(part, sub, out.narrow(d, lo - offset[d], hi - lo), read_leaf)
+            walk_box(part, sub, out.narrow(d, lo - offset[d], hi - lo), visit)
         start += n

@@ -9,6 +9,8 @@ dump_folder=..., device=..., model_config=..., parallelize_fn=..., loss_fn=...)`
 What differs from torchtitan's own `pipeline_llm`:
 - `parallelize_fn` is not called: TP (without sequence parallel), AC, compile and FSDP2 come from
   pp_tp's passes, fed by the `parallelism`, `ac_config` and `compile_config` sections.
+- `context_parallel_degree` is pp_tp's `parallel.cp` (K/V all-gathered over cp, head-tail chunks), not
+  torchtitan's ring attention; a model whose attention cannot run under it is refused in one line by the build.
 - `loss_fn` is replaced by pp_tp's exact loss: token-summed cross-entropy over the global count of
   non-ignored tokens, which is torchtitan's `global_valid_tokens` normalization (no gradient accumulation).
 - `init_weights` draws each parameter with its module's own torchtitan `param_init`, from (seed, FQN).
@@ -45,11 +47,6 @@ def _ac_mode(ac_config: Any) -> str:
 
 
 def _refuse_unsupported(parallelism: Any, training: Any) -> None:
-    if parallelism.context_parallel_degree > 1:
-        raise ConfigError(
-            f"parallelism.context_parallel_degree = {parallelism.context_parallel_degree}: not supported by pp_tp's "
-            "pipelining_fn; set it to 1"
-        )
     if getattr(parallelism, "module_fqns_per_model_part", None):
         raise ConfigError(
             "parallelism.module_fqns_per_model_part: pp_tp's pipelining_fn splits stages itself; leave it unset"
@@ -75,6 +72,7 @@ def parallel_config(
             dp_replicate=parallelism.data_parallel_replicate_degree,
             dp_shard=parallelism.data_parallel_shard_degree,
             ep=parallelism.expert_parallel_degree,
+            cp=parallelism.context_parallel_degree,  # pp_tp's own context parallel: the model's rules decide
             schedule=parallelism.pipeline_parallel_schedule_csv or parallelism.pipeline_parallel_schedule,
             microbatches=training.local_batch_size // parallelism.pipeline_parallel_microbatch_size,
             fsdp_reshard_after_forward=parallelism.fsdp_reshard_after_forward,

@@ -32,6 +32,7 @@ class ModelDims:
     max_seq_len: int
     tied: bool
     head_dim: int = 0  # 0: dim // n_heads; else the model's own (then dim need not be n_heads * head_dim)
+    streams: int = 1  # residual streams per token between blocks (hyper-connections' hc_mult): [B, S, streams, dim]
 
 
 @dataclass(frozen=True)

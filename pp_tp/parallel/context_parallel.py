@@ -68,6 +68,10 @@ class ContextParallel:
         self.size = mesh["cp"].size()
         self.rank = mesh.get_local_rank("cp")
         self._masks: dict[tuple, torch.Tensor] = {}
+        # Whether this step's rows pack documents (set by Pipeline for the whole step, so a forward recomputed in
+        # backward masks alike); then masks follow the position ids (`attention_mask`), at one all-gather of them.
+        self.documents = False
+        self._document_masks: tuple[torch.Tensor, int | None, torch.Tensor] | None = None
 
     def chunk_positions(self, seq: int, rank: int, device: torch.device | None = None) -> torch.Tensor:
         """The global positions cp rank `rank` holds of a `seq`-long sequence: chunks rank and 2cp-1-rank."""
@@ -114,6 +118,37 @@ class ContextParallel:
             self._masks[key] = allowed & (k > q - window) if window is not None else allowed
         return self._masks[key]
 
+    def held_bytes(self) -> int:
+        """Bytes of the masks this rank keeps cached across steps (the planner counts them)."""
+        return sum(m.nbytes for m in self._masks.values())
+
+    def attention_mask(
+        self, local: int, device: torch.device, window: int | None, position_ids: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Boolean [B or 1, 1, local, cp * local] for this rank's queries against the gathered keys: `mask`, and
+        with packed documents (`documents`) each query kept inside its own document. A document is where global
+        index minus position id is constant (a new one starts where a position does not follow the previous one,
+        as transformers reads packed position ids), so gathering every rank's `position_ids` [B, local] is all it
+        takes; once per microbatch (cached on the tensor the stage's blocks share)."""
+        allowed = self.mask(local, device, window)[None, None]
+        if not self.documents:
+            return allowed
+        if position_ids is None:
+            raise ConfigError(
+                "packed documents under parallel.cp > 1: an attention layer was called without position_ids, so pp_tp "
+                "cannot keep its queries inside their documents; set data.document_mask = false or parallel.cp = 1"
+            )
+        cached = self._document_masks
+        if cached is not None and cached[0] is position_ids and cached[1] == window:
+            return cached[2]
+        starts = self.chunk_positions(local * self.size, self.rank, device) - position_ids  # [B, local]
+        every = starts.new_empty((self.size * starts.shape[0], local))
+        dist.all_gather_single(every, starts.contiguous(), group=self.group)
+        keys = torch.cat(every.chunk(self.size), dim=1)  # [B, cp * local], rank-major like gathered keys
+        mask = allowed & (starts[:, None, :, None] == keys[:, None, None, :])
+        self._document_masks = (position_ids, window, mask)
+        return mask
+
 
 def _install(attention: nn.Module, cp: ContextParallel) -> bool:
     """An attention module that declares `context_parallel` reads it itself; else a registered installer."""
@@ -125,21 +160,31 @@ def _install(attention: nn.Module, cp: ContextParallel) -> bool:
 
 def check_cp_model(model: nn.Module, layout: ModelLayout, pcfg: ParallelConfig, custom_loss: bool) -> None:
     """What the model must be to run exactly under cp (parallel.cp > 1): a language model taking per-token
-    positions, no experts (routing statistics and the auxiliary loss count per DP rank), no active dropout (its
-    streams are not forked per cp rank). One line each; run by preflight, so `pp-tp check` and the planner agree."""
+    positions, no caller's loss (it would see one cp rank's tokens), no active dropout (its streams are not forked
+    per cp rank). One line each; run by preflight, so `pp-tp check` and the planner agree."""
     if pcfg.cp == 1:
         return
     why = None
     if not layout.is_lm or layout.document_block_inputs is None:
         why = f"the {layout.name!r} model layout takes no per-token positions (document_block_inputs)"
-    elif layout.experts:
-        why = "mixture-of-experts layers are not supported under context parallel yet"
     elif custom_loss:
         why = "a caller's loss_fn sees only this cp rank's tokens"
+    elif missing := _without_attention(model, layout):
+        why = f"block {missing} has no {layout.attention!r} attention to gather (a linear-attention or SSM mixer)"
     elif active_dropout(model):
         why = "active dropout is not forked per cp rank; set the model's dropout rates to 0"
     if why:
         raise ConfigError(f"parallel.cp > 1: {why}; set parallel.cp = 1")
+
+
+def _without_attention(model: nn.Module, layout: ModelLayout) -> str | None:
+    """The first block (FQN) without the layout's attention module: its mixer has no keys and values to gather."""
+    for i, block in enumerate(model.get_submodule(layout.blocks).children()):
+        try:
+            block.get_submodule(layout.attention)
+        except AttributeError:
+            return f"{layout.blocks}.{i}"
+    return None
 
 
 def apply_context_parallel(stage: nn.Module, mesh: DeviceMesh, pcfg: ParallelConfig) -> bool:
@@ -147,6 +192,7 @@ def apply_context_parallel(stage: nn.Module, mesh: DeviceMesh, pcfg: ParallelCon
     if pcfg.cp == 1:
         return False
     cp = ContextParallel(mesh)
+    stage.context_parallel = cp  # Pipeline sets its `documents` per step; layouts' document masks read it
     for block in stage.block_modules():
         attention = block.get_submodule(stage.layout.attention)
         if not _install(attention, cp):

@@ -31,11 +31,10 @@ def grad_factor(pcfg: ParallelConfig) -> int:
 
 
 def dp_mesh(mesh: DeviceMesh, pcfg: ParallelConfig) -> DeviceMesh:
-    """The 1-D dp_shard mesh (FSDP; dp_shard x cp flattened under context parallel) or the 2-D (dp_replicate,
-    dp_shard) mesh (HSDP)."""
-    if pcfg.cp > 1:
-        return mesh["dp_shard_cp"]
-    return mesh["dp_replicate", "dp_shard"] if pcfg.dp_replicate > 1 else mesh["dp_shard"]
+    """The 1-D dp_shard mesh (FSDP; dp_shard x cp flattened under context parallel: cp ranks hold the same
+    parameters) or the 2-D (dp_replicate, that) mesh (HSDP)."""
+    shard = "dp_shard_cp" if pcfg.cp > 1 else "dp_shard"
+    return mesh["dp_replicate", shard] if pcfg.dp_replicate > 1 else mesh[shard]
 
 
 def expert_dp_mesh(mesh: DeviceMesh, pcfg: ParallelConfig) -> DeviceMesh:

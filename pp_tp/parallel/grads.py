@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from pp_tp.base._torch import foreach_mul_
-from pp_tp.parallel.mesh import FLATTENED
+from pp_tp.parallel.mesh import flattened
 
 
 def _counts_here(grad: torch.Tensor, coords: dict[str, int]) -> bool:
@@ -30,9 +30,10 @@ def _counts_here(grad: torch.Tensor, coords: dict[str, int]) -> bool:
     the gradient is replicated over (a plain gradient is replicated over all of them)."""
     sharded = set()
     if isinstance(grad, DTensor):
+        flat = flattened(tuple(coords))
         for name, placement in zip(grad.device_mesh.mesh_dim_names or (), grad.placements):
-            if name in FLATTENED and name not in coords:  # expert parallel's "dp_shard" spans two mesh dims
-                sharded.update(FLATTENED[name] if not placement.is_replicate() else ())
+            if name in flat and name not in coords:  # e.g. expert parallel's "dp_shard" spans two mesh dims
+                sharded.update(flat[name] if not placement.is_replicate() else ())
                 continue
             if name not in coords:  # e.g. a flattened dimension: which mesh ranks it spans is not known here
                 raise RuntimeError(f"a gradient lives on mesh dim {name!r}, not one of {sorted(coords)}")

@@ -7,7 +7,9 @@ cp ranks hold the same parameters and different tokens, so their gradients are r
 With expert parallel (`parallel.ep` > 1) the EP group is carved out of dp_shard, as torchtitan and Megatron do:
 the mesh is ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp") with "dp_shard" the flattened
 ("dp_shard_mod_ep", "ep"), so everything that reads mesh["dp_shard"] is unchanged; experts are sharded over
-"ep" and FSDP-sharded over what EP leaves ("dp_replicate", "dp_shard_mod_ep").
+"ep" and FSDP-sharded over what EP leaves ("dp_replicate", "dp_shard_mod_ep"). With both, EP spans dp_shard_in_ep
+x cp, as torchtitan lays it out: ("pp", "dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp", "tp"), "ep" the
+flattened ("dp_shard_in_ep", "cp"); experts are still FSDP-sharded over ("dp_replicate", "dp_shard_mod_ep").
 
 The process group comes from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...), so one
 node and many nodes are the same code path.
@@ -29,8 +31,20 @@ from pp_tp.errors import ConfigError
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 EP_MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp")
 CP_MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-# Flattened dims of the expert-parallel and context-parallel meshes and the dims they cover.
-FLATTENED = {"dp_shard": ("dp_shard_mod_ep", "ep"), "dp_shard_cp": ("dp_shard", "cp")}
+EP_CP_MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp", "tp")
+
+
+def flattened(names: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    """The flattened dims of the mesh whose own dims are `names`, and the dims each covers."""
+    if "dp_shard_in_ep" in names:  # expert and context parallel: EP spans dp_shard_in_ep x cp (torchtitan's layout)
+        return {
+            "dp_shard": ("dp_shard_mod_ep", "dp_shard_in_ep"),
+            "ep": ("dp_shard_in_ep", "cp"),
+            "dp_shard_cp": ("dp_shard_mod_ep", "dp_shard_in_ep", "cp"),
+        }
+    if "ep" in names:
+        return {"dp_shard": ("dp_shard_mod_ep", "ep")}
+    return {"dp_shard_cp": ("dp_shard", "cp")} if "cp" in names else {}
 
 
 def device_type() -> str:
@@ -80,7 +94,7 @@ def mesh_shape(pcfg: ParallelConfig, world_size: int) -> tuple[int, int, int, in
     """The four degrees (pp, dp_replicate, dp_shard, tp) with dp_shard = -1 resolved (cp ranks left out of it);
     refuses a product that is not the world size, or an expert-parallel degree dp_shard cannot hold."""
     dp_shard = resolve_dp_shard(pcfg, world_size)
-    check_ep(pcfg.ep, dp_shard)
+    check_ep(pcfg.ep, dp_shard, pcfg.cp)
     return pcfg.pp, pcfg.dp_replicate, dp_shard, pcfg.tp
 
 
@@ -92,18 +106,21 @@ def build_mesh(pcfg: ParallelConfig) -> DeviceMesh:
 
 def make_mesh(device: str, pcfg: ParallelConfig, world_size: int) -> DeviceMesh:
     """The 4-D mesh; with parallel.ep > 1 the 5-D one whose flattened "dp_shard" covers ("dp_shard_mod_ep", "ep");
-    with parallel.cp > 1 the 5-D one with "cp" and the flattened "dp_shard_cp" (config rules keep ep and cp apart)."""
+    with parallel.cp > 1 the 5-D one with "cp" and the flattened "dp_shard_cp"; with both, the 6-D one whose
+    flattened "ep" covers ("dp_shard_in_ep", "cp") (`flattened`)."""
     pp, dp_replicate, dp_shard, tp = mesh_shape(pcfg, world_size)
-    if pcfg.ep == 1 and pcfg.cp == 1:
+    ep, cp = pcfg.ep, pcfg.cp
+    if ep == 1 and cp == 1:
         return init_device_mesh(device, (pp, dp_replicate, dp_shard, tp), mesh_dim_names=MESH_DIMS)
-    if pcfg.cp > 1:
-        shape, names = (pp, dp_replicate, dp_shard, pcfg.cp, tp), CP_MESH_DIMS
+    if ep > 1 and cp > 1:
+        shape, names = (pp, dp_replicate, dp_shard // (ep // cp), ep // cp, cp, tp), EP_CP_MESH_DIMS
+    elif cp > 1:
+        shape, names = (pp, dp_replicate, dp_shard, cp, tp), CP_MESH_DIMS
     else:
-        shape, names = (pp, dp_replicate, dp_shard // pcfg.ep, pcfg.ep, tp), EP_MESH_DIMS
+        shape, names = (pp, dp_replicate, dp_shard // ep, ep, tp), EP_MESH_DIMS
     mesh = init_device_mesh(device, shape, mesh_dim_names=names)
-    for name, dims in FLATTENED.items():
-        if set(dims) <= set(names):
-            flatten_mesh_dims(mesh, dims, name)
+    for name, dims in flattened(names).items():
+        flatten_mesh_dims(mesh, dims, name)
     return mesh
 
 
@@ -115,3 +132,10 @@ def dp_rank(mesh: DeviceMesh) -> int:
 def dp_size(mesh: DeviceMesh) -> int:
     """The DP degree over both DP dims: how many shares a global batch is cut into."""
     return mesh["dp_replicate"].size() * mesh["dp_shard"].size()
+
+
+def token_groups(mesh: DeviceMesh) -> list[dist.ProcessGroup]:
+    """The groups a step's tokens are spread over: the DP ranks, and the cp ranks (each holds part of every
+    sequence); those of size 1 left out. ("dp_shard" may be a flattened dim: indexed by name like the others.)"""
+    dims = ("dp_replicate", "dp_shard") + (("cp",) if "cp" in (mesh.mesh_dim_names or ()) else ())
+    return [mesh.get_group(d) for d in dims if mesh[d].size() > 1]

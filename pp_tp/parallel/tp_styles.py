@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from pp_tp.parallel.declared_tp import ConvChannelParallel
 from pp_tp.parallel.local_styles import PackedColwise, ReplicatedPartialGrad, localize_heads, shard_head_params
+from pp_tp.parallel.mixer_tp import GATED_DELTA_NET, MAMBA2, HeadSplitMixer
 
 # What a style does to a TP-sharded dropout region (parallel/rng.py): "opens" (its output is this rank's feature or
 # head shard: the TP rank's stream forks there), "closes" (it reads the shard and hands on a replicated activation:
@@ -48,6 +49,9 @@ class TPStyle:
     # Valid only inside a replicate_input sub-block: it leaves its input gradient partial for that all-reduce.
     in_region: bool = False
     dropout: DropoutRegion | None = None
+    # The mixer it goes on (a module, not a Linear) is split by heads whole: its own input and output collectives,
+    # its own checks when applied (parallel/mixer_tp.py).
+    splits_mixer: bool = False
 
     def __post_init__(self) -> None:
         if self.dropout not in (None, "opens", "closes", "neutral"):
@@ -164,6 +168,11 @@ _BUILT_IN = {
     # the column conv hands on its channel shard, the row conv all-reduces back to whole channels, like Linear pairs.
     "conv_colwise": TPStyle(lambda: ConvChannelParallel(column=True), sharded_dim=0, dropout="opens"),
     "conv_rowwise": TPStyle(lambda: ConvChannelParallel(column=False), sharded_dim=1, dropout="closes"),
+    # On a gated delta net mixer (linear attention): split by key heads with their value heads, input replicated,
+    # out_proj row-parallel, its own checks at apply time (mixer_tp.py); it hands on a replicated activation.
+    "gated_delta_net": TPStyle(lambda: HeadSplitMixer(GATED_DELTA_NET), dropout="neutral", splits_mixer=True),
+    # The same on a Mamba2 mixer, split by groups (n_groups) with their heads.
+    "mamba2": TPStyle(lambda: HeadSplitMixer(MAMBA2), dropout="neutral", splits_mixer=True),
 }
 for _name, _style in _BUILT_IN.items():
     register_tp_style(_name, _style)

@@ -179,7 +179,7 @@ class PipelineRun:
 
 def worst_err(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], keys: dict[str, str]) -> float:
     """The largest relative error of `got`'s tensors against `want`'s, looked up under `keys` (canonical names)."""
-    return max((rel_err(t, want[keys[k]]) for k, t in got.items()), default=0.0)
+    return max((_tensor_err(t, want[keys[k]]) for k, t in got.items()), default=0.0)
 
 
 def buffer_err(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
@@ -189,8 +189,11 @@ def buffer_err(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> f
 
 
 def _tensor_err(got: torch.Tensor, want: torch.Tensor | None) -> float:
-    """Relative error; inf where `want` is missing or shaped otherwise, or an integer tensor differs at all."""
-    if want is None or got.shape != want.shape:
+    """Relative error; inf where `want` is missing or shaped otherwise, or an integer tensor differs at all. A
+    parameter no gradient reaches (None: DeepSeek-V3.2's indexer, read only through its top-k) matches only None."""
+    if got is None or want is None:
+        return 0.0 if got is None and want is None else float("inf")
+    if got.shape != want.shape:
         return float("inf")
     if not got.is_floating_point():
         return 0.0 if torch.equal(got, want.to(got.dtype)) else float("inf")
@@ -273,7 +276,7 @@ class StepInFloat64:
         with torch.no_grad():
             for k, p in self.params.items():
                 p.copy_(before[k])
-                p.grad = grads[k].double()
+                p.grad = None if grads[k] is None else grads[k].double()
         self.optimizer.step()
         return {k: p.detach() for k, p in self.params.items()}
 

@@ -21,6 +21,10 @@ dp/tp coordinate 0 (the largest FSDP shard), it reports:
 - for a mixture of experts (pp_tp.planner.moe): experts per rank and the expert-parallel all-to-all bytes of a
   step, under balanced routing (the fake forward's dispatch assumes it too); stages are measured per kind of
   block, so dense and MoE layers of one model cost apart.
+- under context parallel (pp_tp.planner.context): the stage forward runs as a cp rank runs it (seq / cp tokens, the
+  K/V all-gather on the fake group, so the gathered keys and values and the masks attention saves are measured),
+  FSDP shards over dp_shard x cp, the masks each stage caches are kept across steps, and the K/V all-gather bytes
+  of a step (analytic: the fake group moves nothing) are reported and charged by `--search`, which tries cp too.
 
 compile and float8 are left out of the dry run: neither runs on fake CPU tensors, and neither
 changes the parameter accounting.

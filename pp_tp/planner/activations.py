@@ -13,6 +13,7 @@ from torch.distributed.fsdp import FSDPModule
 from pp_tp.base._torch import local_tensor, storage_id
 from pp_tp.config import ParallelConfig
 from pp_tp.parallel.activation_checkpoint import is_checkpointed
+from pp_tp.parallel.context_parallel import ContextParallel
 from pp_tp.runtime.loss import TokenSumLoss
 from pp_tp.stages.stage_module import StageModule
 
@@ -96,16 +97,23 @@ class SavedActivations:
 def stage_activation_bytes(
     stage: StageModule, mesh: DeviceMesh, pcfg: ParallelConfig, microbatch: int, seq: int, dim: int
 ) -> tuple[int, int]:
-    """(saved activations of one microbatch through `stage` (and its loss, on the last stage), what the
-    backward's recompute of one checkpointed module saves on top), on fake tensors."""
+    """(saved activations of one microbatch of `seq`-token sequences through `stage` (and its loss, on the last
+    stage), what the backward's recompute of one checkpointed module saves on top), on fake tensors.
+
+    Under context parallel the stage runs as a cp rank runs it: its seq / cp head-tail tokens and their position
+    ids; the fake process group's K/V all-gather returns the whole sequence's keys and values (shapes only), so
+    what attention saves of them is measured with the rest."""
+    local = seq // pcfg.cp
+    cpu = torch.device("cpu")
+    positions = {"position_ids": ContextParallel(mesh).local_positions(microbatch, seq, cpu)} if pcfg.cp > 1 else {}
     act_dtype = torch.bfloat16 if pcfg.mixed_precision == "bf16" else torch.float32
     if any(t.device.type == "meta" for t in (*stage.parameters(), *stage.buffers())):
         # once only: a second to_empty would swap parameters a previous measurement's autograd still references
         stage.to_empty(device="cpu")
     if stage.is_first:
-        x = torch.zeros(microbatch, seq, dtype=torch.long)
+        x = torch.zeros(microbatch, local, dtype=torch.long)
     else:
-        x = torch.empty(microbatch, seq, dim, dtype=act_dtype, requires_grad=True)
+        x = torch.empty(microbatch, local, dim, dtype=act_dtype, requires_grad=True)
     calls: list = []
     checkpointed = [m for m in stage.modules() if is_checkpointed(m)][:1]
     hooks = [  # prepended: the module's own inputs, before TP's input hooks turn them into DTensors
@@ -113,9 +121,9 @@ def stage_activation_bytes(
         for m in checkpointed
     ]
     with SavedActivations(stage) as saved:
-        out = stage(x)
+        out = stage(x, **positions)
         if stage.is_last:
-            labels = torch.zeros(microbatch, seq, dtype=torch.long)
+            labels = torch.zeros(microbatch, local, dtype=torch.long)
             loss = TokenSumLoss(mesh["tp"] if pcfg.loss_parallel and pcfg.tp > 1 else None)
             with loss.parallel():
                 loss(out, labels)

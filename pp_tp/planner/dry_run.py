@@ -80,11 +80,6 @@ def plan_job(cfg: JobConfig, world_size: int) -> JobPlan:
     """Dry-runs `cfg` on `world_size` ranks in this process; nothing is allocated and nobody is contacted."""
     t0 = time.perf_counter()
     cfg = validate(cfg, world_size)
-    if cfg.parallel.cp > 1:
-        raise ConfigError(
-            f"parallel.cp = {cfg.parallel.cp}: the planner does not model context parallel yet (activations per cp "
-            "rank, the K/V all-gathers); plan with parallel.cp = 1, an upper bound on activation memory"
-        )
     # compile and float8 do not run on fake CPU tensors; they leave the accounting unchanged.
     pcfg = dataclasses.replace(cfg.parallel, compile=False, float8=False)
     microbatch = cfg.training.batch_size // (pcfg.dp * pcfg.microbatches)
@@ -107,7 +102,11 @@ def plan_job(cfg: JobConfig, world_size: int) -> JobPlan:
     return JobPlan(
         cfg,
         world_size,
-        {**dict(zip(MESH_DIMS, shape)), **({"ep": pcfg.ep} if pcfg.ep > 1 else {})},
+        {
+            **dict(zip(MESH_DIMS, shape)),
+            **({"ep": pcfg.ep} if pcfg.ep > 1 else {}),
+            **({"cp": pcfg.cp} if pcfg.cp > 1 else {}),
+        },
         microbatch,
         plan,
         ranks,

@@ -1,5 +1,5 @@
 """One layout of the search, evaluated from cached pieces: stage plans per (pp, stages per rank, schedule),
-stage costs per (tp, AC, ep, kind) (pp_tp.planner.stage_costs), schedule actions and bubbles per (schedule,
+stage costs per (tp, AC, ep, cp, kind) (pp_tp.planner.stage_costs), schedule actions and bubbles per (schedule,
 pp, microbatches, stages per rank), and FSDP collective counts per (schedule, rank, policy).
 
 Per pp rank it picks the FSDP policy pair with `"auto"`'s own rule (pp_tp.planner.auto.choose), handing it
@@ -86,7 +86,7 @@ class LayoutEvaluator:
             specs = plan.for_rank(r)
             costs = [
                 self.costs.cost(
-                    p.tp, p.activation_checkpoint, p.ep, stage_kind(s, self.signatures), p.dp_shard, microbatch
+                    p.tp, p.activation_checkpoint, p.ep, p.cp, stage_kind(s, self.signatures), p.dp_shard, microbatch
                 )
                 for s in specs
             ]

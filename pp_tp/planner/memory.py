@@ -16,12 +16,13 @@ from pp_tp.config import ParallelConfig
 from pp_tp.config.fsdp_policy import FsdpPolicy, uses_fsdp
 from pp_tp.layout import ModelDims
 from pp_tp.planner.activations import stage_activation_bytes
+from pp_tp.planner.context import held_mask_bytes
 from pp_tp.planner.walk import StageBytes, Walk
 from pp_tp.stages.stage_module import StageModule
 
 FP32 = 4
 ADAM_STATES = 2  # exp_avg and exp_avg_sq, fp32, on the local shard
-_DP_DIMS = ("dp_replicate", "dp_shard", "dp_shard_mod_ep")  # FSDP's; "ep" splits experts like TP
+_DP_DIMS = ("dp_replicate", "dp_shard", "dp_shard_mod_ep", "dp_shard_cp")  # FSDP's; "ep" splits experts like TP
 
 
 @dataclass
@@ -40,7 +41,7 @@ class RankMemory:
     sizes: dict[int, StageBytes] = field(default_factory=dict)  # per stage, for walk_step
     policy: FsdpPolicy | None = None  # set by the caller once known: "auto" is chosen from the rest of this record
     act_peak_bytes: int = 0  # the coming-and-going parts at the rank's peak moment (walk_step)
-    buffer_bytes: int = 0  # torch's PipelineStage receive buffers: one per microbatch, kept across steps
+    buffer_bytes: int = 0  # kept across steps: PipelineStage receive buffers (one per microbatch), cp's masks
     transient_bytes: int = 0  # gradients in flight during one microbatch's backward (the largest stage's)
     # foreach AdamW's temporary at the optimizer step (sqrt of exp_avg_sq): fp32, the size of a part's parameters
     optim_step_bytes: int = 0
@@ -72,6 +73,7 @@ class StageCost:
     unit_tp_local: int = 0
     buffer_bytes: int = 0  # per microbatch: the activation (non-first stage) and gradient (non-last) buffers
     transient_bytes: int = 0
+    held_bytes: int = 0  # kept across steps whatever the microbatches: the masks context parallel caches
 
 
 def tp_local_shape(p: torch.Tensor) -> tuple[int, ...]:
@@ -118,7 +120,8 @@ def stage_cost(
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # the output view is never modified
         acts, recompute = stage_activation_bytes(stage, mesh, pcfg, microbatch, seq, dims.dim)
     buffers, transient = boundary_extras(stage.is_first, stage.is_last, pcfg, microbatch, seq, dims)
-    return StageCost(local, tp_local, acts, max([*blocks, tp_local - sum(blocks)]), buffers, transient + recompute)
+    unit = max([*blocks, tp_local - sum(blocks)])
+    return StageCost(local, tp_local, acts, unit, buffers, transient + recompute, held_mask_bytes(stage))
 
 
 def boundary_extras(
@@ -136,6 +139,7 @@ def boundary_extras(
     microbatch). Activation checkpointing adds what one module's recompute saves (stage_activation_bytes).
     """
     act = 2 if pcfg.mixed_precision == "bf16" else FP32
+    seq //= pcfg.cp  # under context parallel every tensor here holds the rank's seq / cp tokens
     boundary = microbatch * seq * d.dim * act
     vocab = d.vocab_size // pcfg.tp if pcfg.loss_parallel and pcfg.tp > 1 else d.vocab_size
     logits = microbatch * seq * vocab * FP32
@@ -177,7 +181,8 @@ def rank_memory(pp_rank: int, stages: list[int], costs: list[StageCost], pcfg: P
         optim_bytes=ADAM_STATES * local * FP32,
         act_bytes_per_microbatch={s: c.act_bytes for s, c in zip(stages, costs)},
         sizes=sizes,
-        buffer_bytes=pcfg.microbatches * sum(c.buffer_bytes for c in costs) if pcfg.pp > 1 else 0,
+        buffer_bytes=(pcfg.microbatches * sum(c.buffer_bytes for c in costs) if pcfg.pp > 1 else 0)
+        + sum(c.held_bytes for c in costs),
         transient_bytes=max(c.transient_bytes for c in costs),
         optim_step_bytes=max(c.local for c in costs) * FP32,
     )

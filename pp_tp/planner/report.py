@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pp_tp.parallel.fsdp import uses_fsdp
+from pp_tp.planner.context import kv_gather_bytes, rank_kv_bytes
 from pp_tp.planner.dry_run import JobPlan
 from pp_tp.planner.moe import rank_all_to_all_bytes
 
@@ -60,7 +61,24 @@ def _header(job: JobPlan) -> list[str]:
             f"activation checkpoint {p.activation_checkpoint}"
         ),
         *([_experts(job)] if job.experts else []),
+        *([_context(job)] if p.cp > 1 else []),
     ]
+
+
+def _context(job: JobPlan) -> str:
+    """Context parallel: each rank's tokens, and the K/V all-gather bytes per attention layer and per step."""
+    p, t = job.cfg.parallel, job.cfg.training
+    one = kv_gather_bytes(job.microbatch, t.seq_len, job.dims, p)
+    sent = max(
+        rank_kv_bytes(sum(len(s.blocks) for s in job.plan.for_rank(r)), p, job.microbatch, t.seq_len, job.dims)
+        for r in range(p.pp)
+    )
+    return (
+        f"context parallel: cp={p.cp}, {t.seq_len // p.cp} of {t.seq_len} tokens per sequence on each rank "
+        f"(head-tail chunks); K and V all-gathered {_size(one)} per attention layer and microbatch, sent per rank "
+        f"and step {_size(sent)} (forward all-gather, backward reduce-scatter; the cp group is cp x tp = "
+        f"{p.cp * p.tp} neighbouring ranks); FSDP over dp_shard x cp = {p.dp_shard * p.cp}"
+    )
 
 
 def _experts(job: JobPlan) -> str:

@@ -5,14 +5,18 @@ Cost model (stated, not measured): a stage's compute is its analytic FLOPs (pp_t
 params + attention per token, fwd+bwd; full AC adds one forward, 1/3 of it) over tp at the device's peak
 FLOP/s; TP adds 4 ring all-reduces of [mb, seq, dim] bf16 per block per microbatch at NVLink bandwidth;
 FSDP moves the step walk's all-gather and reduce-scatter bytes ((n-1)/n of them) at NVLink bandwidth when
-tp x dp_shard fits a node of 8, else InfiniBand, overlapped with compute (only what exceeds compute
+tp x dp_shard (x cp) fits a node of 8, else InfiniBand, overlapped with compute (only what exceeds compute
 shows); expert parallel moves pp_tp.planner.moe.all_to_all_bytes per MoE layer and microbatch (balanced
 routing) at NVLink bandwidth when the ep x tp group fits a node of 8, else InfiniBand, not overlapped (the
 next layer waits for its tokens). Step time = max over pp ranks of (compute + TP + EP) x (1 + simulated
-bubble) + exposed FSDP time.
+bubble) + exposed FSDP time. Context parallel divides a rank's compute and TP traffic by cp (each rank runs seq / cp
+tokens, head-tail balanced) and moves pp_tp.planner.context.rank_kv_bytes (the K/V all-gather forward, the
+reduce-scatter of their gradients backward) at NVLink bandwidth when the cp x tp group fits a node of 8, else
+InfiniBand, not overlapped (attention waits for the keys); FSDP then spans dp_shard x cp ranks.
 
-Searched: tp 1/2/4/8, pp 1 to 32, dp_replicate 1 or dp/8, ep every divisor of dp_shard that splits the
-experts evenly (MoE models), GPipe, 1F1B, Interleaved1F1B (2 or 4 stages per
+Searched: tp 1/2/4/8, pp 1 to 32, cp 1 to 32 (2 x cp dividing seq_len; what the config rules refuse under cp is
+skipped like any invalid layout), dp_replicate 1 or dp/8, ep every divisor of dp_shard that
+splits the experts evenly (MoE models), GPipe, 1F1B, Interleaved1F1B (2 or 4 stages per
 rank), InterleavedZeroBubble, ZBVZeroBubble, microbatches pp/2pp/4pp, AC none/selective/full, and per pp
 rank the (reshard, grad-reduce) pairs "auto" picks from. Each layout is evaluated from shared caches
 (pp_tp.planner.layout_eval), equal to a full dry run, so 1024 ranks of a 405B model take seconds.
@@ -29,13 +33,14 @@ from pp_tp.errors import ConfigError
 from pp_tp.layout import ModelDims, layout_for
 from pp_tp.models.factory import build_model
 from pp_tp.planner.auto import GIB, comm_bytes
+from pp_tp.planner.context import rank_kv_bytes
 from pp_tp.planner.layout_eval import LayoutEvaluator, LayoutPlan
 from pp_tp.planner.moe import Experts, model_experts, rank_all_to_all_bytes
 
 DEVICES = {"H100": (989e12, 450e9, 50e9), "H200": (989e12, 450e9, 50e9)}  # bf16 dense FLOP/s, NVLink, IB B/s
 NODE = 8
-TPS, PPS = (1, 2, 4, 8), (1, 2, 4, 8, 16, 32)
-PARALLEL_KEYS = ("pp", "tp", "ep", "dp_replicate", "dp_shard", "schedule", "stages_per_rank", "microbatches")
+TPS, PPS, CPS = (1, 2, 4, 8), (1, 2, 4, 8, 16, 32), (1, 2, 4, 8, 16, 32)
+PARALLEL_KEYS = ("pp", "tp", "ep", "cp", "dp_replicate", "dp_shard", "schedule", "stages_per_rank", "microbatches")
 POLICY_KEYS = ("fsdp_reshard_after_forward", "fsdp_grad_reduce", "activation_checkpoint")
 
 
@@ -63,17 +68,21 @@ def step_time(cfg: JobConfig, lay: LayoutPlan, dev: Device, dims: ModelDims, exp
     worst = 0.0
     for r, walk in zip(lay.ranks, lay.walks):
         stages = lay.plan.for_rank(r.pp_rank)
-        compute = sum(s.cost for s in stages) * tokens * p.microbatches * recompute / p.tp / dev.peak_flops
+        local = tokens / p.cp  # each cp rank runs its head-tail share of every sequence
+        compute = sum(s.cost for s in stages) * local * p.microbatches * recompute / p.tp / dev.peak_flops
         blocks = sum(len(s.blocks) for s in stages)
-        ar = 2 * (p.tp - 1) / p.tp * tokens * d * 2 / dev.nvlink_bw if p.tp > 1 else 0.0
+        ar = 2 * (p.tp - 1) / p.tp * local * d * 2 / dev.nvlink_bw if p.tp > 1 else 0.0
         tp_time = 4 * blocks * p.microbatches * ar
-        bw = dev.nvlink_bw if p.tp * p.dp_shard <= NODE else dev.ib_bw
-        fsdp = comm_bytes(r, walk) * (p.dp_shard - 1) / max(p.dp_shard, 1) / bw
+        shard = p.dp_shard * p.cp  # FSDP's group
+        bw = dev.nvlink_bw if p.tp * shard <= NODE else dev.ib_bw
+        fsdp = comm_bytes(r, walk) * (shard - 1) / max(shard, 1) / bw
+        kv = rank_kv_bytes(blocks, p, lay.microbatch, t.seq_len, dims)
+        cp_time = kv / (dev.nvlink_bw if p.cp * p.tp <= NODE else dev.ib_bw)
         ep_time = 0.0
         if experts is not None and p.ep > 1:  # the ep group is ep x tp neighbouring ranks (pp_tp.parallel.mesh)
             sent = rank_all_to_all_bytes(experts, (b for s in stages for b in s.blocks), p, tokens, d)
             ep_time = sent / (dev.nvlink_bw if p.ep * p.tp <= NODE else dev.ib_bw)
-        worst = max(worst, (compute + tp_time + ep_time) * (1 + lay.bubble) + max(0.0, fsdp - compute))
+        worst = max(worst, (compute + tp_time + ep_time + cp_time) * (1 + lay.bubble) + max(0.0, fsdp - compute))
     return worst
 
 
@@ -93,19 +102,24 @@ def _eps(dp_shard: int, experts: Experts | None) -> list[int]:
     return [e for e in range(1, dp_shard + 1) if dp_shard % e == 0 and experts.n_experts % e == 0]
 
 
+def _cps(cfg: JobConfig) -> list[int]:
+    """Context-parallel degrees tried: those whose 2 x cp divides seq_len (the config rules refuse the rest)."""
+    return [cp for cp in CPS if cp == 1 or cfg.training.seq_len % (2 * cp) == 0]
+
+
 def _layouts(cfg: JobConfig, world: int, experts: Experts | None = None):
     """Every layout the search evaluates: degrees, schedule, stages per rank, microbatches, AC."""
     heads, kv = cfg.model.n_heads, cfg.model.n_kv_heads or cfg.model.n_heads
-    for tp, pp in itertools.product(TPS, PPS):
-        if world % (tp * pp) or heads % tp or kv % tp or pp > cfg.model.n_layers:
+    for tp, pp, cp in itertools.product(TPS, PPS, _cps(cfg)):
+        if world % (tp * pp * cp) or heads % tp or kv % tp or pp > cfg.model.n_layers:
             continue
-        dp = world // (tp * pp)
+        dp = world // (tp * pp * cp)
         for rep in sorted({1, dp // NODE} - {0}) if dp > NODE else (1,):
             for (sched, spr), m in itertools.product(_schedules(pp, cfg.model.n_layers), sorted({pp, 2 * pp, 4 * pp})):
                 if cfg.training.batch_size % (dp * m) == 0:
                     for ep, ac in itertools.product(_eps(dp // rep, experts), ("none", "selective", "full")):
                         yield dict(
-                            pp=pp, tp=tp, ep=ep, dp_replicate=rep, dp_shard=dp // rep, schedule=sched,
+                            pp=pp, tp=tp, ep=ep, cp=cp, dp_replicate=rep, dp_shard=dp // rep, schedule=sched,
                             stages_per_rank=spr, microbatches=m, activation_checkpoint=ac,
                         )  # fmt: skip
 

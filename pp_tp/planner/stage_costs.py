@@ -1,16 +1,17 @@
-"""Stage costs for the layout search, measured once per (tp, activation checkpointing, ep) and reused.
+"""Stage costs for the layout search, measured once per (tp, activation checkpointing, ep, cp) and reused.
 
 A full dry run per candidate parallelizes and runs every stage kind on fake tensors (about a second for a
 405B-like job); hundreds of candidates would take minutes. Blocks with the same parameter shapes are alike
 (pp_tp.planner.moe.block_signatures: dense and MoE layers differ) and saved activations grow with the
 microbatch, so a stage of kind (embed, blocks, head) is measured with its first block only, plus, per further
-block, a plain stage of (x, that block) minus one of (x) for what the block adds; on a fake world of ep x tp
+block, a plain stage of (x, that block) minus one of (x) for what the block adds; on a fake world of ep x cp x tp
 ranks, with microbatches of one and two sequences, and the rest follows:
 
 - parameters: the TP/EP-local shapes of each part; FSDP gives dp/tp coordinate 0 the first chunk of dim 0,
-  ceil(d0 / dp_shard) rows (torch.chunk, as fully_shard pads), experts ceil(d0 / (dp_shard / ep)), so any
-  dp_shard is counted exactly;
-- activations: additive over blocks and affine in the microbatch (rotary slices do not grow with it).
+  ceil(d0 / n) rows over its n = dp_shard x cp ranks (torch.chunk, as fully_shard pads), experts
+  ceil(d0 / (dp_shard / ep)), so any dp_shard is counted exactly;
+- activations: additive over blocks and affine in the microbatch (rotary slices do not grow with it; nor do the
+  masks of context parallel's head-tail positions).
 
 tests/test_planner_search.py checks the result equals the full dry run (pp_tp.planner.plan_job).
 """
@@ -29,6 +30,7 @@ from pp_tp.config.fsdp_policy import FsdpPolicy
 from pp_tp.models.factory import build_model
 from pp_tp.parallel.mesh import make_mesh
 from pp_tp.planner.activations import stage_activation_bytes
+from pp_tp.planner.context import held_mask_bytes
 from pp_tp.planner.fake_world import fake_world
 from pp_tp.planner.memory import StageCost, boundary_extras, is_expert, tp_local_numel, tp_local_shape
 from pp_tp.planner.moe import Signature, block_signatures
@@ -53,6 +55,7 @@ class Measured:
     act2: int  # at a microbatch of two sequences: activations are affine in the microbatch (rotary slices)
     recompute: int = 0  # what the backward's recompute of one checkpointed module saves, at one and two
     recompute2: int = 0
+    held: int = 0  # the masks context parallel keeps cached (pp_tp.planner.context.held_mask_bytes)
 
     def local(self, dp_shard: int, ep: int) -> int:
         """Elements of the largest (first) FSDP shard."""
@@ -87,7 +90,7 @@ def _plus(acc: Counter, add: Counter, sub: Counter) -> None:
 
 
 class StageCostCache:
-    """Stage costs of one job's model under any layout; measurements are keyed by (tp, AC, ep, probe)."""
+    """Stage costs of one job's model under any layout; measurements are keyed by (tp, AC, ep, cp, probe)."""
 
     def __init__(self, cfg: JobConfig, model, layout):
         self.cfg, self.model, self.layout = cfg, model, layout
@@ -111,19 +114,19 @@ class StageCostCache:
         fqns += [self.layout.norm, self.layout.head] if head else []
         return StageSpec(0, 0, embed, list(keys), head, fqns)
 
-    def _measure(self, tp: int, ac: str, ep: int, probes: list[Probe]) -> None:
-        """Builds each probe as a rank would (pp_tp.planner.stage_build) and runs it on a fake world of ep x tp
-        ranks (pp = 1, dp_shard = ep), one sequence; shapes are read all-gathered over DP, so dp_shard = ep shards
-        nothing that is counted."""
+    def _measure(self, tp: int, ac: str, ep: int, cp: int, probes: list[Probe]) -> None:
+        """Builds each probe as a rank would (pp_tp.planner.stage_build) and runs it on a fake world of ep x cp x tp
+        ranks (pp = 1, dp_shard = ep; ep and cp never both > 1), one sequence; shapes are read all-gathered over DP
+        (FSDP shards over dp_shard x cp), so dp_shard = ep and cp shard nothing that is counted."""
         pcfg = dataclasses.replace(
-            self.cfg.parallel, pp=1, tp=tp, ep=ep, dp_shard=ep, dp_replicate=1, activation_checkpoint=ac,
+            self.cfg.parallel, pp=1, tp=tp, ep=ep, cp=cp, dp_shard=ep, dp_replicate=1, activation_checkpoint=ac,
             compile=False, float8=False, fsdp_reshard_after_forward="default", fsdp_grad_reduce="step",
             schedule="1F1B", stages_per_rank=1, split="balanced", layers_per_stage=None, stage_fqns=None,
         )  # fmt: skip
         seq, dim = self.cfg.training.seq_len, self.layout.dims(self.model).dim
-        with fake_world(ep * tp), warnings.catch_warnings():
+        with fake_world(ep * cp * tp), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-            mesh = make_mesh("cpu", pcfg, ep * tp)
+            mesh = make_mesh("cpu", pcfg, ep * cp * tp)
             models = [build_model(self._small, "meta") for _ in probes]  # the passes change modules in place
             checked = checked_job(models[0], self.cfg, pcfg, mesh)
             fsdp = FsdpPolicy.for_rank(checked.parallel, 0)
@@ -138,15 +141,15 @@ class StageCostCache:
                     (act1, re1), (act2, re2) = (
                         stage_activation_bytes(stage, mesh, checked.parallel, mb, seq, dim) for mb in (1, 2)
                     )
-                self._measured[(tp, ac, ep, probe)] = Measured(
-                    shapes, experts, tuple(blocks), total - sum(blocks), act1, act2, re1, re2
+                self._measured[(tp, ac, ep, cp, probe)] = Measured(
+                    shapes, experts, tuple(blocks), total - sum(blocks), act1, act2, re1, re2, held_mask_bytes(stage)
                 )
 
-    def _get(self, tp: int, ac: str, ep: int, probes: list[Probe]) -> list[Measured]:
-        missing = [k for k in dict.fromkeys(probes) if (tp, ac, ep, k) not in self._measured]
+    def _get(self, tp: int, ac: str, ep: int, cp: int, probes: list[Probe]) -> list[Measured]:
+        missing = [k for k in dict.fromkeys(probes) if (tp, ac, ep, cp, k) not in self._measured]
         if missing:
-            self._measure(tp, ac, ep, missing)
-        return [self._measured[(tp, ac, ep, k)] for k in probes]
+            self._measure(tp, ac, ep, cp, missing)
+        return [self._measured[(tp, ac, ep, cp, k)] for k in probes]
 
     def _probes(self, kind: Kind) -> tuple[Probe, list[tuple[Probe, Probe]]]:
         """The stage with its first block only, and per further block the plain pair (x, that block) and (x)
@@ -159,13 +162,13 @@ class StageCostCache:
             pairs.append(((False, (self._first, key), False), (False, (self._first,), False)))
         return one, pairs
 
-    def cost(self, tp: int, ac: str, ep: int, kind: Kind, dp_shard: int, microbatch: int) -> StageCost:
-        """The StageCost the full dry run would measure for this stage kind and layout."""
-        key = (tp, ac, ep, kind, dp_shard, microbatch)
+    def cost(self, tp: int, ac: str, ep: int, cp: int, kind: Kind, dp_shard: int, microbatch: int) -> StageCost:
+        """The StageCost the full dry run would measure for this stage kind and layout (FSDP over dp_shard x cp)."""
+        key = (tp, ac, ep, cp, kind, dp_shard, microbatch)
         if key not in self._costs:
             embed, _, head = kind
             one_probe, pairs = self._probes(kind)
-            one, *rest = self._get(tp, ac, ep, [one_probe, *(p for pair in pairs for p in pair)])
+            one, *rest = self._get(tp, ac, ep, cp, [one_probe, *(p for pair in pairs for p in pair)])
             shapes, experts = Counter(one.shapes), Counter(one.experts)
             act1, act2 = one.act, one.act2
             for two, single in zip(rest[::2], rest[1::2]):  # what each further block adds
@@ -176,9 +179,15 @@ class StageCostCache:
             probe = Measured(+shapes, +experts, blocks, one.rest, act1, act2)
             act = act1 + (microbatch - 1) * (act2 - act1)
             recompute = one.recompute + (microbatch - 1) * (one.recompute2 - one.recompute)
-            pcfg = dataclasses.replace(self.cfg.parallel, tp=tp)
+            pcfg = dataclasses.replace(self.cfg.parallel, tp=tp, cp=cp)
             buffers, transient = boundary_extras(embed, head, pcfg, microbatch, self.cfg.training.seq_len, self.dims)
             self._costs[key] = StageCost(
-                probe.local(dp_shard, ep), probe.tp_local, act, probe.unit, buffers, transient + recompute
+                probe.local(dp_shard * cp, ep),
+                probe.tp_local,
+                act,
+                probe.unit,
+                buffers,
+                transient + recompute,
+                one.held,
             )
         return self._costs[key]

@@ -21,6 +21,7 @@ counts `routing_stats` already sums in its one all-reduce per step, identical on
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from pp_tp.base._torch import in_backward
@@ -96,19 +97,34 @@ class _WithAuxGrad(torch.autograd.Function):
         return grad, torch.full((), ctx.scale, dtype=dtype, device=device), None
 
 
-def layer_aux(logits: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:
-    """aux_l of one MoE layer on one microbatch: E * sum_e (slots_e / T) * mean_t softmax(logits)_e (fp32)."""
+def layer_aux(logits: torch.Tensor, top_k_index: torch.Tensor, cp: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """aux_l of one MoE layer on one microbatch: E * sum_e (slots_e / T) * mean_t softmax(logits)_e (fp32).
+
+    Under context parallel (`cp`, its ranks hold the microbatch's T tokens between them) the slots are summed over
+    cp first and each rank's term takes its own tokens' probabilities: the cp ranks' terms add up to aux_l, and
+    each one's gradient is aux_l's for its tokens."""
     probs = logits.float().softmax(dim=-1)
     tokens, experts = probs.shape
     slots = torch.bincount(top_k_index.reshape(-1), minlength=experts).to(probs.dtype)
-    return experts * (slots / tokens * probs.mean(dim=0)).sum()
+    if cp is not None:
+        dist.all_reduce(slots, group=cp)
+        tokens *= dist.get_world_size(cp)
+    return experts * (slots / tokens * probs.sum(dim=0) / tokens).sum()
 
 
 class AuxLoss:
     """The auxiliary loss of every router in `stages`: its gradient added in backward, its value summed per step."""
 
-    def __init__(self, stages: list[nn.Module], layout: ModelLayout, scale: float, device: torch.device):
+    def __init__(
+        self,
+        stages: list[nn.Module],
+        layout: ModelLayout,
+        scale: float,
+        device: torch.device,
+        cp: dist.ProcessGroup | None = None,
+    ):
         self.scale = scale  # d(step loss)/d(aux_l) per microbatch, times the factor FSDP's mean over DP takes away
+        self.cp = cp  # context parallel's group: its ranks' terms add up to each aux_l (layer_aux)
         self.total = torch.zeros((), dtype=torch.float64, device=device)
         for stage in stages:
             for block in stage.block_modules():
@@ -117,7 +133,7 @@ class AuxLoss:
 
     def _add(self, module: nn.Module, args: tuple, output: tuple) -> tuple:
         logits, weights, index = output
-        aux = layer_aux(logits, index)
+        aux = layer_aux(logits, index, self.cp)
         if not in_backward():  # activation checkpointing's recomputation: already counted in the forward
             self.total += aux.detach()
         return logits, _WithAuxGrad.apply(weights, aux, self.scale), index

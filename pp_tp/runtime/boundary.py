@@ -29,19 +29,19 @@ class BoundaryShapes:
     dim: int
     vocab_local: int
     act_dtype: torch.dtype
+    streams: int = 1  # > 1: hyper-connections' [microbatch, seq, streams, hidden] between stages
 
     def stage_io(self, stage: StageModule) -> tuple[torch.Tensor, torch.Tensor]:
         mb, s = self.microbatch, self.seq
+        hidden = (mb, s, self.dim) if self.streams == 1 else (mb, s, self.streams, self.dim)
         inp = (
             torch.empty(mb, s, dtype=torch.long, device="meta")
             if stage.is_first
-            else torch.empty(mb, s, self.dim, dtype=self.act_dtype, device="meta", requires_grad=True)
+            else torch.empty(hidden, dtype=self.act_dtype, device="meta", requires_grad=True)
         )
         # requires_grad tells torch's static metadata that gradients flow back across the boundary.
         out = torch.empty(
-            mb,
-            s,
-            self.vocab_local if stage.is_last else self.dim,
+            (mb, s, self.vocab_local) if stage.is_last else hidden,
             dtype=self.act_dtype,
             device="meta",
             requires_grad=True,

@@ -23,7 +23,7 @@ from pp_tp.errors import ConfigError
 from pp_tp.hf_checkpoint import save_pretrained
 from pp_tp.layout import check_document_mask
 from pp_tp.parallel.context_parallel import ContextParallel
-from pp_tp.parallel.mesh import dp_rank
+from pp_tp.parallel.mesh import dp_rank, token_groups
 from pp_tp.parallel.rng import StageStream
 from pp_tp.parallel.tensor_parallel import reduce_partial_grads
 from pp_tp.runtime.balancing import AuxLoss, ExpertBiases
@@ -77,10 +77,7 @@ class Pipeline:
         self._targets = built.loss is not None  # step(inputs, targets) with the caller's loss
         self._loss = built.loss if built.loss is not None else TokenSumLoss(built.tp_loss_mesh)
         self._pp_group = built.mesh.get_group("pp")
-        # The groups a step's tokens are spread over: DP ranks, and cp ranks (each holds part of every sequence).
-        # ("dp_shard" is a flattened dim of the expert-parallel mesh: indexed by name like the others.)
-        spread = ("dp_replicate", "dp_shard", "cp") if built.pcfg.cp > 1 else ("dp_replicate", "dp_shard")
-        self._dp_groups = [built.mesh.get_group(d) for d in spread if built.mesh[d].size() > 1]
+        self._dp_groups = token_groups(built.mesh)
         self._cp = ContextParallel(built.mesh) if built.pcfg.cp > 1 else None
         self._shape_key: tuple | None = None
         self.schedule = None
@@ -99,7 +96,9 @@ class Pipeline:
         # d(step aux loss)/d(aux_l) per microbatch: coef / (microbatches * dp), times what FSDP's DP mean takes away.
         self._aux_mean = moe.aux_loss_coef / (built.pcfg.microbatches * built.pcfg.dp)
         aux = self._has_moe and moe.aux_loss_coef > 0
-        self._aux = AuxLoss(built.stages, layout, self._aux_mean * built.grad_factor, built.device) if aux else None
+        cp = built.mesh.get_group("cp") if built.pcfg.cp > 1 else None
+        scale = self._aux_mean * built.grad_factor
+        self._aux = AuxLoss(built.stages, layout, scale, built.device, cp) if aux else None
         self._biases = ExpertBiases(built.stages, layout) if self._has_moe and moe.bias_update_rate else None
 
     # The contract's attributes (docs/design.md), read through from what the pipeline keeps whole: never copies.
@@ -199,18 +198,21 @@ class Pipeline:
             dist.all_reduce(total, group=g)
         return total.float() if aux is not None else total[0].float()
 
-    def _position_kwargs(self, where: str, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> dict:
-        """The schedule's keyword inputs: per-token position ids (split into microbatches by torch, handed to
-        every stage's forward), when the batch packs documents."""
+    def _check_positions(self, where: str, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> None:
+        """Packed documents' position ids: a layout that takes them, the shape of the input ids."""
         if position_ids is None:
-            return {}
+            return
         check_document_mask(self.model_parts[0].layout)
         if position_ids.shape != input_ids.shape:
             raise ConfigError(
                 f"{where}: position_ids {tuple(position_ids.shape)} must have the shape of input_ids "
                 f"{tuple(input_ids.shape)}"
             )
-        return {"position_ids": position_ids.to(self.device)}
+
+    def _position_kwargs(self, position_ids: torch.Tensor | None) -> dict:
+        """The schedule's keyword inputs: per-token position ids (split into microbatches by torch, handed to
+        every stage's forward), when the batch packs documents or runs under context parallel."""
+        return {} if position_ids is None else {"position_ids": position_ids.to(self.device)}
 
     def _context_shard(
         self, where: str, inputs: torch.Tensor, targets: torch.Tensor | None, position_ids: torch.Tensor | None
@@ -219,15 +221,15 @@ class Pipeline:
         which reach every stage as the schedule's `position_ids`; the batch as it is otherwise."""
         if self._cp is None:
             return inputs, targets, position_ids
-        if position_ids is not None:
-            raise ConfigError(
-                f"{where}: position_ids (packed documents) with parallel.cp = {self._cp.size} are not supported; "
-                "set data.document_mask = false or parallel.cp = 1"
-            )
         self._check_batch(where, inputs, targets)
         self._cp.check_seq(where, inputs.shape[1])
-        positions = self._cp.local_positions(inputs.shape[0], inputs.shape[1], inputs.device)
-        return self._cp.shard(inputs), self._cp.shard(targets), positions
+        for stage in self.model_parts:  # the attention masks of this step: inside documents, or not
+            stage.context_parallel.documents = position_ids is not None
+        if position_ids is None:
+            position_ids = self._cp.local_positions(inputs.shape[0], inputs.shape[1], inputs.device)
+        else:
+            position_ids = self._cp.shard(position_ids)
+        return self._cp.shard(inputs), self._cp.shard(targets), position_ids
 
     def step(
         self, inputs: torch.Tensor, targets: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
@@ -237,8 +239,9 @@ class Pipeline:
         (targets needed only where the last stage is). `position_ids` ([batch, seq], restarting at 0 at every packed
         document) keep each token's attention and positions inside its own document; the model's layout must offer
         `document_block_inputs`. Under context parallel each cp rank runs its head-tail chunks of the same rows."""
+        self._check_positions("Pipeline.step", inputs, position_ids)
         inputs, targets, position_ids = self._context_shard("Pipeline.step", inputs, targets, position_ids)
-        kwargs = self._position_kwargs("Pipeline.step", inputs, position_ids)
+        kwargs = self._position_kwargs(position_ids)
         inputs, targets, n = self.prepare_batch("Pipeline.step", inputs, targets)
         self._loss.scale = self._built.grad_factor / max(n, 1)
         losses: list[torch.Tensor] = []
@@ -280,8 +283,9 @@ class Pipeline:
     ) -> torch.Tensor:
         """Forward-only global loss of this DP rank's batch share (validation), as `step` defines it; every rank
         calls it, and no gradient is created or changed (checked). `position_ids` and context parallel as in `step`."""
+        self._check_positions("Pipeline.evaluate", inputs, position_ids)
         inputs, targets, position_ids = self._context_shard("Pipeline.evaluate", inputs, targets, position_ids)
-        kwargs = self._position_kwargs("Pipeline.evaluate", inputs, position_ids)
+        kwargs = self._position_kwargs(position_ids)
         inputs, labels, n_tokens = self.prepare_batch("Pipeline.evaluate", inputs, targets)
         before = grad_state(self.model_parts)
         scale = self._loss.scale

@@ -3,8 +3,8 @@
 A forward pre-hook on each experts module (the layout's `experts_spec`, which also says how its call's arguments
 carry the routing) adds up its routing slots per expert, whatever the layout (experts whole, expert parallel, TP of
 experts: the hook sees the routing before any dispatch). At the end of a step the counts of all local layers are
-summed over the data-parallel ranks in one all-reduce per DP dimension (TP ranks route the same tokens, pp ranks
-hold other layers), so every rank of a pp rank sees the same global counts. A forward recomputed by activation
+summed over the data-parallel and cp ranks in one all-reduce per dimension (TP ranks route the same tokens, pp
+ranks hold other layers), so every rank of a pp rank sees the same global counts. A forward recomputed by activation
 checkpointing is not counted twice.
 """
 
@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from pp_tp.base._torch import in_backward
 from pp_tp.layout import ExpertsSpec, ModelLayout
 from pp_tp.parallel.experts import moe_layers
-from pp_tp.parallel.mesh import rank_device
+from pp_tp.parallel.mesh import rank_device, token_groups
 
 
 class RoutingStats:
@@ -27,7 +27,7 @@ class RoutingStats:
     def __init__(self, stages: list[nn.Module], layout: ModelLayout, mesh: DeviceMesh):
         self.counts: dict[str, torch.Tensor] = {}
         device = rank_device(mesh)
-        self._groups = [mesh.get_group(d) for d in ("dp_replicate", "dp_shard") if mesh[d].size() > 1]
+        self._groups = token_groups(mesh)
         for stage in stages:
             for key, block in zip(stage.spec.blocks, stage.block_modules()):
                 for name, experts in moe_layers(block, layout).items():

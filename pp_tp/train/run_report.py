@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from pp_tp.config import JobConfig
 from pp_tp.hf_checkpoint import has_weights
+from pp_tp.models.hf.mixers import whole_on_tp
 from pp_tp.parallel.experts import expert_dispatches
 from pp_tp.parallel.mesh import MESH_DIMS
 from pp_tp.planner import plan_job
@@ -60,6 +61,13 @@ def layout(cfg: JobConfig, mesh: DeviceMesh, pipe: Pipeline, plan) -> tuple[str,
             + ", ".join(f"{local} of {total}" for local, total in held)
             + f" (ep={p.ep}"
             + (f", each TP-sharded over tp={p.tp})" if p.tp > 1 else ")")
+        )
+    whole = whole_on_tp(pipe.model_parts) if p.tp > 1 else {}
+    if whole:  # exact (replicated input, identical gradients on every TP rank), paid in compute and memory
+        row["tp_whole"] = {name: count for name, (_, count) in whole.items()}
+        lines.append(
+            f"run whole on every TP rank (tp={p.tp} splits none of their heads), this rank's blocks: "
+            + ", ".join(f"{name} ({'/'.join(cls)}) {count:,} params" for name, (cls, count) in whole.items())
         )
     if plan is not None:
         lines.append("planner estimate per rank (dp/tp coordinate 0, AdamW):")

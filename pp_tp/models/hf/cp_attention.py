@@ -5,8 +5,9 @@ then calls `ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, e
 context parallel each attention module of a stage gets a config copy naming `CP_ATTENTION`, registered with
 transformers' AttentionInterface: it all-gathers K and V over cp and calls the function the model chose ("sdpa",
 or the family's own eager one: sinks, softcapping) on the local queries against every key, with the causal or
-sliding-window mask of this layer's type at the rank's head-tail positions (the mask transformers built for the
-local tokens alone is not used). Other kernels (flash, flex) are refused in one line.
+sliding-window mask of this layer's type at the rank's head-tail positions, inside packed documents where the
+step has them (the mask transformers built for the local tokens alone is not used). Other kernels (flash, flex)
+are refused in one line.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def cp_attention(
     """Local queries [B, H, S/cp, D] against the keys and values of every cp rank, under this layer's mask."""
     cp: ContextParallel = module.context_parallel
     key, value = cp.gather(key, 2), cp.gather(value, 2)
-    allowed = cp.mask(query.shape[2], query.device, _window(module))[None, None]
+    allowed = cp.attention_mask(query.shape[2], query.device, _window(module), kwargs.get("position_ids"))
     if module.cp_kernel == "eager":  # eager functions add the mask to the scores
         mask = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device)
         mask = mask.masked_fill(~allowed, torch.finfo(query.dtype).min)

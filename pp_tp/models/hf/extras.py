@@ -10,15 +10,22 @@ from collections.abc import Callable
 
 import torch
 
+from pp_tp.models.hf import hyper
+
 Transform = Callable[[torch.Tensor], torch.Tensor]
 
 
 def after_embed(config) -> Transform | None:
-    """Granite multiplies the embeddings by `embedding_multiplier` in the base model's forward."""
+    """Granite multiplies the embeddings by `embedding_multiplier` in the base model's forward; hyper-connection
+    families (`hc_mult`: DeepSeek-V4, HY-V4) then copy them into the `[B, S, hc_mult, D]` residual stream."""
+    steps: list[Transform] = []
     multiplier = getattr(config, "embedding_multiplier", None)
-    if multiplier is None or multiplier == 1.0:
-        return None
-    return lambda h: h * multiplier
+    if multiplier not in (None, 1.0):
+        steps.append(lambda h: h * multiplier)
+    n = hyper.streams(config)
+    if n is not None:
+        steps.append(hyper.expand(n))
+    return _chain(steps)
 
 
 def after_head(config) -> Transform | None:
@@ -34,6 +41,11 @@ def after_head(config) -> Transform | None:
     cap = getattr(config, "final_logit_softcapping", None)
     if cap is not None:
         steps.append(lambda x: torch.tanh(x / cap) * cap)
+    return _chain(steps)
+
+
+def _chain(steps: list[Transform]) -> Transform | None:
+    """The steps applied in order, or None for none."""
     if not steps:
         return None
 

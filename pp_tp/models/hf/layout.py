@@ -13,9 +13,12 @@ small copy, or refuses the family in one line.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import inspect
+import math
 import sys
+import textwrap
 from typing import Any
 
 import torch
@@ -23,16 +26,18 @@ from torch import nn
 
 from pp_tp.errors import ConfigError
 from pp_tp.layout import ModelDims, ModelLayout
+from pp_tp.models.hf import hyper
 from pp_tp.models.hf.buffers import init_buffers
 from pp_tp.models.hf.discover import EmbedCall, PpPlan, discover, embedding_parent
 from pp_tp.models.hf.experts import experts_spec
 from pp_tp.models.hf.extras import after_embed, after_head
+from pp_tp.models.hf.mixers import LayerMasks
 from pp_tp.models.hf.randomness import check_randomness
 from pp_tp.models.hf.self_check import self_check
 from pp_tp.models.hf.tp_plan import block_tp_plan
 from pp_tp.parallel.tensor_parallel import rules_present
 
-FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
+FULL, SLIDING = "full_attention", "sliding_attention"
 
 
 def is_hf_model(model: nn.Module) -> bool:
@@ -97,35 +102,37 @@ def _module_name(model: nn.Module, module: nn.Module | None, what: str) -> str:
 
 
 def _layer_types(model: nn.Module, n_layers: int) -> list[str]:
-    """Each layer's attention type, as the model's forward picks its mask."""
+    """Each layer's type, as the model's forward picks its mask (mixers.LayerMasks refuses one it cannot)."""
     config = model.config
     types = getattr(config, "layer_types", None)
     if types is not None:
-        unknown = sorted(set(types[:n_layers]) - {FULL, SLIDING, CHUNKED})
-        if unknown:
-            raise _refuse(
-                model,
-                f"config.layer_types has {unknown[0]!r} layers; pp_tp runs {FULL!r}, {SLIDING!r} and {CHUNKED!r} "
-                "attention only (register a layout for it: pp_tp.extend.register_layout)",
-            )
         return list(types[:n_layers])
     return [SLIDING if getattr(config, "sliding_window", None) is not None else FULL] * n_layers
 
 
 def _dims(model: nn.Module) -> ModelDims:
+    """The model's dims. With per-layer values (transformers' `config.per_layer_config[i]`: Gemma 4's head_dim,
+    Dots3's head counts) heads, KV heads, FFN width and head_dim are each the greatest common divisor over the layers,
+    so the preflight's TP divisibility test passes exactly when every layer's own values divide."""
     c = model.config
-    heads = c.num_attention_heads
+    layers = list(c.per_layer_config) if getattr(c, "is_heterogeneous", False) else [c]
+
+    def shared(read: Any) -> int:
+        return math.gcd(*(read(layer) or 0 for layer in layers))
+
+    heads = shared(lambda layer: layer.num_attention_heads)
     tied = model.get_input_embeddings().weight is model.get_output_embeddings().weight
     return ModelDims(
         c.num_hidden_layers,
         c.hidden_size,
         heads,
-        getattr(c, "num_key_value_heads", None) or heads,
-        getattr(c, "intermediate_size", None) or 4 * c.hidden_size,
+        shared(lambda layer: getattr(layer, "num_key_value_heads", None)) or heads,
+        shared(lambda layer: getattr(layer, "intermediate_size", None)) or 4 * c.hidden_size,
         c.vocab_size,
         c.max_position_embeddings,
         tied,
-        head_dim=getattr(c, "head_dim", None) or 0,
+        head_dim=shared(lambda layer: getattr(layer, "head_dim", None)),
+        streams=hyper.streams(c) or 1,
     )
 
 
@@ -135,11 +142,16 @@ class BlockContext:
     def __init__(self, model: nn.Module, rotary: str | None, layer_types: dict[int, str], block_kwargs: set[str]):
         self.config = model.config
         self.rotary = rotary
-        self.layer_types = layer_types  # id(block) -> attention type
+        self.layer_types = layer_types  # id(block) -> layer type
+        self.masks = LayerMasks(model, layer_types.values())
         self.block_kwargs = block_kwargs
         self.per_type_rotary = (
             rotary is not None and "layer_type" in inspect.signature(model.get_submodule(rotary).forward).parameters
         )
+        # A rotary keyed by table names of its own, not by layer types (DeepSeek-V4's 'main' / 'compress'): the
+        # forward hands every layer all its tables.
+        own = getattr(model.get_submodule(rotary), "layer_types", None) if self.per_type_rotary else None
+        self.all_tables = tuple(own) if own and not set(layer_types.values()) <= set(own) else ()
 
     def inputs(self, stage: nn.Module, h: torch.Tensor) -> tuple[Any, ...]:
         """Masks by attention type, position ids and position embeddings for this microbatch."""
@@ -148,26 +160,13 @@ class BlockContext:
     def document_inputs(self, stage: nn.Module, h: torch.Tensor, position_ids: torch.Tensor) -> tuple[Any, ...]:
         """The same for given per-token position ids: where they restart (packed documents), transformers' own
         mask functions keep attention inside each document (sliding windows included)."""
-        from transformers.masking_utils import (
-            create_causal_mask,
-            create_chunked_causal_mask,
-            create_sliding_window_causal_mask,
-        )
-
-        kwargs = {"config": self.config, "inputs_embeds": h, "attention_mask": None, "position_ids": position_ids}
         types = set(self.layer_types.values())
-        makers = {
-            FULL: create_causal_mask,
-            SLIDING: create_sliding_window_causal_mask,
-            CHUNKED: create_chunked_causal_mask,
-        }
-        # No KV cache; transformers >= 5.24 names that argument `cache` (`past_key_values` before).
-        masks = {t: makers[t](**kwargs, **_no_cache(makers[t])) for t in types}
+        masks = self.masks.build(self.config, h, position_ids)
         embeddings: Any = None
         if self.rotary is not None:
             rotary = stage.get_submodule(self.rotary)
             if self.per_type_rotary:
-                embeddings = {t: rotary(h, position_ids, t) for t in types}
+                embeddings = {t: rotary(h, position_ids, t) for t in self.all_tables or types}
             else:
                 embeddings = rotary(h, position_ids)
         return position_ids, masks, embeddings
@@ -181,19 +180,17 @@ class BlockContext:
             "position_ids": position_ids,
             "past_key_values": None,
             "use_cache": False,
+            "shared_kv_states": {},  # Gemma 4 layers store their K/V for later ones; compose refuses any that reuse
         }
         if embeddings is not None:
-            kwargs["position_embeddings"] = embeddings[kind] if self.per_type_rotary else embeddings
+            per_layer = self.per_type_rotary and not self.all_tables
+            kwargs["position_embeddings"] = embeddings[kind] if per_layer else embeddings
         out = block(h, **{k: v for k, v in kwargs.items() if k in self.block_kwargs})
         return out[0] if isinstance(out, tuple) else out
 
 
 def _params(fn: Any) -> set[str]:
     return set(inspect.signature(fn).parameters)
-
-
-def _no_cache(mask_fn: Any) -> dict[str, None]:
-    return {"cache": None} if "cache" in _params(mask_fn) else {"past_key_values": None}
 
 
 def _kernel_dropout(model: nn.Module) -> str | None:
@@ -234,17 +231,15 @@ def compose(model: nn.Module) -> ModelLayout:
     if base.get_submodule(embed_key) is not model.get_input_embeddings():
         raise _refuse(model, f"{prefix}.{embed_key} is not get_input_embeddings(); register a layout for it")
     head = _module_name(model, model.get_output_embeddings(), "output embedding")
-    plan = {embed_key, blocks_key, norm_key, *pp_plan.after_embed, *pp_plan.before_norm}
-    extra = [name for name, child in base.named_children() if name not in plan]
-    weighted = [name for name in extra if any(True for _ in base.get_submodule(name).parameters())]
-    if weighted:
-        raise _refuse(
-            model, f"{prefix}.{weighted[0]} holds weights outside embedding/layers/norm; register a layout for it"
-        )
+    extra, collapse = _outside_plan(model, pp_plan)
     rotary = next((f"{prefix}.{n}" for n in extra if "position_ids" in _params(base.get_submodule(n).forward)), None)
     blocks = list(base.get_submodule(blocks_key).children())
+    _refuse_cross_layer_inputs(model, f"{prefix}.{blocks_key}", blocks)
     types = dict(zip((id(b) for b in blocks), _layer_types(model, len(blocks))))
     block_kwargs = _params(blocks[0].forward) | pp_plan.block_kwargs
+    context = {"attention_mask", "position_ids", "position_embeddings"}
+    if not block_kwargs & context and _takes_var_keywords(blocks[0]):
+        block_kwargs |= context  # a layer naming none of them hands its **kwargs on (DeepSeek-V4)
     ctx = BlockContext(model, rotary, types, block_kwargs)
     attention = next((n for n, m in blocks[0].named_children() if "Attention" in type(m).__name__), "self_attn")
     tp_plan, tp_refusal = block_tp_plan(model, blocks_key, blocks)
@@ -272,8 +267,80 @@ def compose(model: nn.Module) -> ModelLayout:
         after_head=after_head(model.config),
         static_block_inputs=True,  # masks and rotary tables from the microbatch's shape only (no padding mask)
         after_embed_modules=tuple(f"{prefix}.{name}" for name in pp_plan.after_embed),
-        before_norm_modules=tuple(f"{prefix}.{name}" for name in pp_plan.before_norm),
+        before_norm_modules=tuple(f"{prefix}.{name}" for name in (*pp_plan.before_norm, *collapse)),
     )
+
+
+def _outside_plan(model: nn.Module, pp_plan: PpPlan) -> tuple[list[str], tuple[str, ...]]:
+    """The base model's children outside the plan: parameterless ones every stage shares (rotary tables), and a
+    hyper-connection family's stream collapse (hc_head), which the last stage runs before its norm; any other
+    module with weights is refused."""
+    base = model.get_submodule(pp_plan.base)
+    plan = {pp_plan.embed, pp_plan.blocks, pp_plan.norm, *pp_plan.after_embed, *pp_plan.before_norm}
+    extra = [name for name, child in base.named_children() if name not in plan]
+    weighted = [name for name in extra if any(True for _ in base.get_submodule(name).parameters())]
+    collapse = hyper.collapse_modules(model.config, weighted)
+    weighted = [name for name in weighted if name not in collapse]
+    if weighted:
+        raise _refuse(
+            model,
+            f"{pp_plan.base}.{weighted[0]} holds weights outside embedding/layers/norm; register a layout for it",
+        )
+    return [name for name in extra if name not in collapse], collapse
+
+
+def _takes_var_keywords(block: nn.Module) -> bool:
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(block.forward).parameters.values())
+
+
+def _refuse_cross_layer_inputs(model: nn.Module, blocks_fqn: str, blocks: list[nn.Module]) -> None:
+    """Refuses layers that need more than the hidden state and the block context: a module routing by token ids
+    (DeepSeek-V4's hash-routed MoE: stages after the first never receive the ids), or keys and values another layer
+    computed (Gemma 4's `num_kv_shared_layers`, which the model's own forward hands from layer to layer)."""
+    for i, block in enumerate(blocks):
+        for name, module in block.named_modules():
+            ids = inspect.signature(module.forward).parameters.get("input_ids")
+            if ids is not None and ids.default is inspect.Parameter.empty:
+                raise _refuse(
+                    model,
+                    f"{blocks_fqn}.{i}.{name} ({type(module).__name__}) routes by the token ids, which pp_tp does not "
+                    "hand to layers (stages after the first never receive them); register a layout for it",
+                )
+    threaded = _threaded_state(model, blocks_fqn.rpartition(".")[2])
+    if threaded:
+        raise _refuse(
+            model,
+            f"its forward hands each layer the previous layer's {threaded[1]!r} (as {threaded[0]!r}), which pp_tp "
+            "does not carry from layer to layer or across stages; register a layout for it",
+        )
+    shared = getattr(model.config, "num_kv_shared_layers", 0) or 0
+    if shared:
+        raise _refuse(
+            model,
+            f"num_kv_shared_layers = {shared}: its last layers reuse keys and values earlier layers computed, which "
+            "pp_tp does not carry from layer to layer or across stages; set it to 0",
+        )
+
+
+def _threaded_state(model: nn.Module, blocks_key: str) -> tuple[str, str] | None:
+    """(keyword, value) where the base model's forward, in its loop over `self.<blocks_key>`, passes a layer a value
+    the previous layer returned (HY-V4: `hidden_states, topk_indices = layer(..., prev_topk_indices=topk_indices)`);
+    None when it passes none (or its source cannot be read)."""
+    base = model.get_submodule(embedding_parent(model))
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(type(base).forward)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    for loop in ast.walk(tree):
+        if not (isinstance(loop, ast.For) and blocks_key in ast.unparse(loop.iter)):
+            continue
+        for node in ast.walk(loop):
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+                returned = {t.id for t in ast.walk(node.targets[0]) if isinstance(t, ast.Name)}
+                for kw in node.value.keywords:
+                    if isinstance(kw.value, ast.Name) and kw.value.id in returned - {"hidden_states"}:
+                        return kw.arg or "", kw.value.id
+    return None
 
 
 def _unspecialized(*_: Any) -> Any:

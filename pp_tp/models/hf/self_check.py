@@ -35,12 +35,15 @@ _SIZES = {
     "hidden_size": 64,
     "intermediate_size": 96,
     "vocab_size": 128,
+    "vocab_size_per_layer_input": 128,  # Gemma 3n / 4 per-layer embeddings: 262144 rows by default
     "moe_intermediate_size": 32,
     "kv_lora_rank": 32,
     "q_lora_rank": 32,
     "qk_rope_head_dim": 8,
     "qk_nope_head_dim": 8,
     "v_head_dim": 16,
+    "linear_num_heads": 4,  # Kimi-Linear's KDA heads (32 x 128 by default: GBs in the reference chunked kernel)
+    "linear_head_dim": 16,
 }
 _EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
 _MOE_COUNTS = ("num_experts_per_tok", "n_shared_experts")  # set on a MoE family even where its default leaves None
@@ -51,6 +54,8 @@ def small_config(config):
 
     Dims the model derives from others keep their relation (MLA's head_dim is its rope dim, qk_head_dim the sum
     of rope and nope dims), so the copy is as self-consistent as the original."""
+    if getattr(config, "is_heterogeneous", False):
+        return _small_per_layer(config)
     small = copy.deepcopy(config)
     get = lambda key: getattr(config, key, None)  # noqa: E731
     types = list(dict.fromkeys(get("layer_types") or []))
@@ -86,12 +91,53 @@ def small_config(config):
             setattr(small, key, WINDOW)
     if get("word_embed_proj_dim") == get("hidden_size"):  # OPT: equal dims mean no project_in / project_out
         small.word_embed_proj_dim = small.hidden_size
-    if types:
+    if types and not isinstance(getattr(type(small), "layer_types", None), property):
         small.layer_types = (types * n_layers)[:n_layers]
+    for key in ("attn_layer_period", "expert_layer_period"):  # Jamba: types derived from periods; 2 covers both
+        if isinstance(get(key), int) and isinstance(get(key.replace("period", "offset")), int):
+            setattr(small, key, 2)
+            setattr(small, key.replace("period", "offset"), 1)
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
         if isinstance(getattr(small, key, None), int) and getattr(small, key) >= 128:
             setattr(small, key, 0)
     return small
+
+
+def _small_per_layer(config):
+    """small_config of a config with per-layer values (transformers' `config.per_layer_config[i]`: Gemma 4's head_dim,
+    Dots3's head counts): the global values shrunk as for any config, one small layer per distinct (layer type,
+    per-layer values) of the original, each per-layer value scaled by the factor its global value shrank by (Gemma 4's
+    full-attention layers keep twice the head_dim of its sliding ones)."""
+    attrs = sorted(config.per_layer_attributes)
+    values = [{a: getattr(layer, a) for a in attrs} for layer in config.per_layer_config]
+    types = getattr(config, "layer_types", None)
+    first: dict[tuple, int] = {}
+    for i, v in enumerate(values):
+        first.setdefault((types[i] if types else None, tuple(v.items())), i)
+    reps = list(first.values())
+    reps = (reps * 2)[: max(2, len(reps))]
+    flat = copy.deepcopy(config)
+    flat.per_layer_config = None  # the global values, readable again
+    small = small_config(flat)
+    small.num_hidden_layers = len(reps)
+    if types:
+        small.layer_types = [types[i] for i in reps]
+    small.per_layer_config = {
+        j: {a: _scaled(a, values[i][a], getattr(flat, a, None), getattr(small, a, None)) for a in attrs}
+        for j, i in enumerate(reps)
+    }
+    return small
+
+
+def _scaled(key: str, value, before, after):
+    """One layer's value of `key` in the small copy: windows as short as the global one, integer widths scaled as
+    the global width was, anything else as it is."""
+    if key in ("sliding_window", "attention_chunk_size"):
+        return None if value is None else WINDOW
+    numbers = all(isinstance(x, int) and not isinstance(x, bool) for x in (value, before, after))
+    if not numbers or before == after or not before:
+        return value
+    return max(1, round(value * after / before))
 
 
 def _materialized_stage(

@@ -20,6 +20,8 @@ from typing import Any
 
 from torch import nn
 
+from pp_tp.errors import ConfigError
+from pp_tp.parallel.mixer_tp import GATED_DELTA_NET, MAMBA2, plan_head_split
 from pp_tp.parallel.tp_styles import TP_STYLES
 
 # HF style -> pp_tp style (a record in pp_tp.parallel.tp_styles.TP_STYLES).
@@ -41,6 +43,8 @@ _FUSED = {"gate_up_proj": "colwise_packed2", "qkv_proj": "colwise_packed3"}
 _EXPERT_STYLES = {"grouped_gemm", "ep_dispatch_experts", "moe_tp_experts", "packed_colwise", "packed_rowwise"}
 # The expert TP pp_tp's experts pass runs: gate/up packed on the output dim, split per part; down row-parallel.
 _EXPERTS_TP = {"": "moe_tp_experts", ".gate_up_proj": "packed_colwise", ".down_proj": "rowwise"}
+# Mixers pp_tp splits by heads (parallel/mixer_tp.py): style name -> the record whose attributes a module must have.
+HEAD_SPLITS = {"gated_delta_net": GATED_DELTA_NET, "mamba2": MAMBA2}
 # A parameter of an attention module with one entry per head (GPT-OSS's sinks): split by heads with q/k/v.
 _BY_HEAD = "sharded_by_head"
 
@@ -119,7 +123,7 @@ def block_tp_plan(model: nn.Module, blocks_key: str, blocks: list[nn.Module]) ->
                 f"pp_tp does not support{why}; set parallel.tp = 1"
             )
         plan[rule[len(prefix) :]] = SUPPORTED[style]
-    plan, local_heads = _split_fused(_mla(plan), model.config)
+    plan, local_heads = _split_fused(_mla(_whole_mixers(_head_split_mixers(plan, blocks)), blocks), model.config)
     # Column-parallel layers (weight dim 0 split) read their sub-block's input: that module replicates it.
     parents = {
         rule.rpartition(".")[0] for rule, style in plan.items() if TP_STYLES[style].sharded_dim == 0 and "." in rule
@@ -151,18 +155,73 @@ def _holds_parameter(blocks: list[nn.Module], path: str, name: str) -> bool:
     return any(m is not None and name in dict(m.named_parameters(recurse=False)) for m in modules)
 
 
-def _mla(plan: dict[str, str]) -> dict[str, str]:
+def _head_split_mixers(plan: dict[str, str], blocks: list[nn.Module]) -> dict[str, str]:
+    """A block child that a head-split record (parallel/mixer_tp.py: gated delta nets, Mamba2 mixers) fits in every
+    block holding it, by its attributes, parameters and shapes at the smallest TP degree, gets that style in place of
+    the family's rules under it (Qwen3-Next's gathered projections): split by heads at 2 + 2 all-reduces per block.
+    The record checks the actual degree when applied (one line); a child no record fits runs whole (_whole_mixers)."""
+    fits: dict[str, set[str | None]] = {}
+    for block in blocks:
+        for name, child in block.named_children():
+            fits.setdefault(name, set()).add(_fitting_split(child, name))
+    split = {name: styles.pop() for name, styles in fits.items() if len(styles) == 1 and None not in styles}
+    kept = {r: s for r, s in plan.items() if not any(r == n or r.startswith(n + ".") for n in split)}
+    return {**kept, **split}
+
+
+def _fitting_split(module: nn.Module, name: str) -> str | None:
+    """The head-split style whose record fits `module` at tp = 2, else None."""
+    for style, record in HEAD_SPLITS.items():
+        try:
+            plan_head_split(module, record, 2, name)
+        except ConfigError:
+            continue
+        return style
+    return None
+
+
+def _whole_mixers(plan: dict[str, str]) -> dict[str, str]:
+    """A sub-block whose every rule is HF's `colwise_gather_output` (Qwen3-Next's and Qwen3.5's gated-delta-net
+    `linear_attn`: each projection split and gathered back, the convolution, gates and norm whole) is split by no
+    head: pp_tp runs it whole on every TP rank instead (its input is the replicated activation, so every rank
+    computes the same output and parameter gradients; exact, no communication) and drops those rules. A style
+    record that splits such a mixer by heads (a rule on the sub-block itself) keeps the sub-block's rules."""
+    subs: dict[str, set[str]] = {}
+    for rule, style in plan.items():
+        subs.setdefault(rule.rpartition(".")[0], set()).add(style)
+    whole = {sub for sub, styles in subs.items() if styles == {"colwise_gather_output"} and sub not in plan}
+    return {rule: style for rule, style in plan.items() if rule.rpartition(".")[0] not in whole}
+
+
+def _mla(plan: dict[str, str], blocks: list[nn.Module]) -> dict[str, str]:
     """Multi-head latent attention (HF's `mla_kv_a_proj`): the latent projections and their norms stay whole on every
     rank with Partial gradients, the up-projections reading the latents are column-parallel by heads with their input
     gradient left partial, o_proj row-parallel: the attention's one input all-reduce sums everything (2 + 2
-    all-reduces per block, like any attention)."""
+    all-reduces per block, like any attention). Any other child of the attention holding parameters and no rule
+    (DeepSeek-V3.2's sparse-attention indexer, whose top-k needs every indexer head) runs whole beside the latents,
+    the same way."""
     plan = dict(plan)
     for rule, style in list(plan.items()):
         if style == "replicated_partial_grad":
             parent = rule.rpartition(".")[0]
             plan.update({f"{parent}.{name}": "replicated_partial_grad" for name in _MLA_WHOLE})
             plan.update({f"{parent}.{name}": "colwise_in_region" for name in _MLA_UP if f"{parent}.{name}" in plan})
+            plan.update(dict.fromkeys(_ruleless_children(blocks, parent, plan), style))
     return plan
+
+
+def _ruleless_children(blocks: list[nn.Module], path: str, plan: dict[str, str]) -> list[str]:
+    """The children (`path.child`) of each block's module at `path` that hold parameters and that no rule of `plan`
+    names or reaches."""
+    out: list[str] = []
+    for block in blocks:
+        module = dict(block.named_modules()).get(path)
+        for name, child in module.named_children() if module is not None else ():
+            rule = f"{path}.{name}"
+            reached = any(r == rule or r.startswith(rule + ".") for r in plan)
+            if not reached and rule not in out and any(True for _ in child.parameters()):
+                out.append(rule)
+    return out
 
 
 def _split_fused(plan: dict[str, str], config: Any) -> tuple[dict[str, str], set[str]]:
@@ -172,8 +231,9 @@ def _split_fused(plan: dict[str, str], config: Any) -> tuple[dict[str, str], set
     whose attention must read this rank's head counts. GQA's q/k/v parts differ in size, which torch's per-part
     placement (`_StridedShard`) cannot split: there HF's gathered plan stays (exact)."""
     plan, local_heads = dict(plan), set()
-    heads = getattr(config, "num_attention_heads", None)
-    equal_heads = (getattr(config, "num_key_value_heads", None) or heads) == heads
+    layers = config.per_layer_config if getattr(config, "is_heterogeneous", False) else [config]  # per-layer heads
+    heads = [getattr(c, "num_attention_heads", None) for c in layers]
+    equal_heads = all((getattr(c, "num_key_value_heads", None) or h) == h for c, h in zip(layers, heads))
     for rule in list(plan):
         parent, _, leaf = rule.rpartition(".")
         siblings = {r: s for r, s in plan.items() if r.rpartition(".")[0] == parent}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 from torch import nn
 
 from pp_tp.config.schema import ModelShape
@@ -22,6 +23,15 @@ def _init_buffers(stage: nn.Module, model: Transformer) -> None:
     a = model.args
     stage.rope = rope_cache(a.head_dim, a.max_seq_len, a.rope_theta, stage.rope.device)
     init_expert_bias(stage)  # persistent: a source, when there is one, overwrites it afterwards
+
+
+def _document_mask(stage: nn.Module, position_ids: torch.Tensor) -> torch.Tensor:
+    """The blocks' mask for per-token positions: over the keys gathered under context parallel (its cp rank's
+    queries, inside their documents when the step packs them), else `document_mask`."""
+    cp = getattr(stage, "context_parallel", None)
+    if cp is None:
+        return document_mask(position_ids)
+    return cp.attention_mask(position_ids.shape[1], position_ids.device, None, position_ids)
 
 
 def _specialize(model: Transformer) -> ModelLayout:
@@ -89,5 +99,5 @@ REFERENCE = ModelLayout(
     init_std=param_init_std,
     static_block_inputs=True,  # the rotary table only
     specialize=_specialize,
-    document_block_inputs=lambda stage, h, pos: (stage.rope[pos], document_mask(pos)),
+    document_block_inputs=lambda stage, h, pos: (stage.rope[pos], _document_mask(stage, pos)),
 )

@@ -95,8 +95,9 @@ class Attention(nn.Module):
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         cp = self.context_parallel
-        if cp is not None:
-            k, v, mask = cp.gather(k, 2), cp.gather(v, 2), cp.mask(s, x.device)
+        if cp is not None:  # a stage's given mask already covers the gathered keys (layout.py)
+            k, v = cp.gather(k, 2), cp.gather(v, 2)
+            mask = cp.mask(s, x.device) if mask is None else mask
         gqa = q.shape[1] != k.shape[1]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))

@@ -1,0 +1,96 @@
+"""Hyper-connections (DeepSeek-V4: a `[B, S, hc_mult, D]` residual stream across stage boundaries, `hc_head` before
+the final norm) and per-layer configs (Gemma 4: `head_dim` per layer through `config.per_layer_config[i]`), exact
+against the model's own run (fp32: loss, every full gradient, parameters after two AdamW steps; test_hf_families'
+lockstep), and what cannot be given exactly refused in one line.
+
+DeepSeek-V4 runs at pp2 x ep2 (experts split over ep, FSDP over dp_shard 2), not at tp2: its attention is shared-KV
+MQA (one KV head), which the preflight's head check refuses at tp 2 although V4's declared TP plan splits only the
+experts. Its hash-routed MoE layers read the token ids, which later stages never receive: the test model routes
+every layer by score (`mlp_layer_types` all "moe"); the default config is refused in one line.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as T
+from test_hf_families import BASE, FAMILIES, _preflight, family_case, make
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+from pp_tp.errors import ConfigError
+from pp_tp.layout import layout_for
+from pp_tp.models.hf.layout import _dims
+from pp_tp.models.hf.self_check import small_config
+
+GEMMA4 = dict(  # over test_hf_families.BASE
+    head_dim=8,
+    global_head_dim=16,  # full-attention layers: twice the sliding layers' head_dim, a per-layer value
+    hidden_size_per_layer_input=0,  # no per-layer embeddings (refused: weights outside embedding/layers/norm)
+    sliding_window=4,
+    layer_types=["sliding_attention", "full_attention"] * 2,
+)
+FAMILIES.update(
+    {
+        "deepseek_v4_score_routed": ("deepseek_v4", dict(mlp_layer_types=["moe"] * 4), "eager"),
+        "gemma4_per_layer_head_dim": (T.Gemma4TextConfig, GEMMA4, "sdpa"),
+    }
+)
+CASES = [
+    ("deepseek_v4_score_routed", dict(pp=2, dp_shard=2, ep=2, schedule="1F1B", microbatches=2)),
+    ("gemma4_per_layer_head_dim", dict(pp=2, tp=2, schedule="1F1B", microbatches=2)),
+]
+
+
+def _run(cases: list[tuple[str, dict]]) -> list[dict]:
+    return [family_case(name, kw) for name, kw in cases]
+
+
+def test_hyper_connections_and_per_layer_head_dims_are_exact(world):
+    import parity_utils as pu
+
+    for per_rank in world(4).run(_run, CASES):
+        for (name, kw), r in zip(CASES, per_rank):
+            pu.assert_passes(r, name, kw)
+
+
+def test_the_stream_crosses_the_boundary_whole_and_hc_head_runs_last():
+    layout = layout_for(make("deepseek_v4_score_routed", "meta"))
+    assert layout.before_norm_modules == ("model.hc_head",) and "model.hc_head" not in layout.shared
+    assert layout.dims(make("deepseek_v4_score_routed", "meta")).streams == 4
+    h = torch.randn(2, 3, 32)
+    assert torch.equal(layout.after_embed(h), h.unsqueeze(2).expand(-1, -1, 4, -1))
+
+
+def test_per_layer_dims_divide_every_layer():
+    """Gemma 4's head_dim 8 / 16 per layer: the dims hold their common divisor, so TP checks hold per layer."""
+    dims = _dims(make("gemma4_per_layer_head_dim", "meta"))
+    assert (dims.n_heads, dims.n_kv_heads, dims.head_dim) == (4, 2, 8)
+    small = small_config(CONFIG_MAPPING["gemma4_text"]())
+    assert [c.head_dim for c in small.per_layer_config] == [16, 32]  # default 256 / 512, shrunk alike
+
+
+def test_tp_divisibility_is_checked_per_layer():
+    """One KV head on the full-attention layers only (Gemma 4's `num_global_key_value_heads`): refused at tp 2."""
+    config = T.Gemma4TextConfig(**{**BASE, **GEMMA4, "attention_k_eq_v": True, "num_global_key_value_heads": 1})
+    with torch.device("meta"):
+        model = T.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ConfigError, match=r"model.n_kv_heads = 1 is not divisible by parallel.tp = 2"):
+        _preflight(model, pp=2, tp=2)
+
+
+@pytest.mark.parametrize(
+    "model_type, extra, match",
+    [
+        ("deepseek_v4", {}, r"model.layers.0.mlp.gate \(DeepseekV4HashRouter\) routes by the token ids"),
+        ("gemma4_text", {}, r"model.embed_tokens_per_layer holds weights outside embedding/layers/norm"),
+        ("gemma4_text", dict(hidden_size_per_layer_input=0, num_kv_shared_layers=2), r"num_kv_shared_layers = 2"),
+        ("hy_v4", {}, r"hands each layer the previous layer's 'topk_indices' \(as 'prev_topk_indices'\)"),
+    ],
+)
+def test_what_a_layer_cannot_be_handed_is_refused_in_one_line(model_type, extra, match):
+    config = small_config(CONFIG_MAPPING[model_type](**extra))
+    with torch.device("meta"):
+        model = T.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ConfigError, match=match) as e:
+        layout_for(model)
+    assert "\n" not in str(e.value)

@@ -1,0 +1,87 @@
+"""Hugging Face families whose blocks mix beyond softmax attention (gated-delta-net and KDA linear attention, Mamba,
+DeepSeek-V3.2's sparse-attention indexer): exact at pp2 x tp2 (gated delta nets split by heads, parallel/mixer_tp.py;
+the mixers no head-split record fits running whole on every TP rank), MoE ones at pp2 x ep2, or refused in one line.
+
+Each family is its own default config shrunk by the self-check's rule (4 layers cycling its layer types), checked in
+lockstep against the model's own run exactly as tests/test_hf_families.py checks the softmax families (loss, every full
+gradient, parameters after two AdamW steps, buffers), through that file's `family_case`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import test_hf_families as hf
+import torch
+import transformers as T
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+from pp_tp.errors import ConfigError
+from pp_tp.layout import layout_for
+from pp_tp.models.hf.self_check import small_config
+
+
+def _small(model_type: str, num_hidden_layers: int, **_: object):
+    """The family's default config shrunk by the self-check's rule, `num_hidden_layers` layers cycling its types."""
+    config = small_config(CONFIG_MAPPING[model_type]())
+    types = list(dict.fromkeys(getattr(config, "layer_types", None) or []))
+    config.num_hidden_layers, config.vocab_size, config.max_position_embeddings = num_hidden_layers, hf.VOCAB, 64
+    if types and not isinstance(getattr(type(config), "layer_types", None), property):
+        config.layer_types = (types * num_hidden_layers)[:num_hidden_layers]
+    return config
+
+
+MIXERS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear", "deepseek_v32", "jamba", "nemotron_h")
+hf.FAMILIES.update({name: (functools.partial(_small, name), {}, "sdpa") for name in MIXERS})
+
+TP = dict(pp=2, tp=2, schedule="1F1B", microbatches=2)
+EP = dict(pp=2, dp_shard=2, ep=2, schedule="1F1B", microbatches=2)
+CASES = [
+    ("qwen3_next", TP),  # gated-delta-net, attention heads and TP experts split
+    ("qwen3_5_text", dict(pp=2, tp=2, schedule="ZBVZeroBubble", microbatches=4)),
+    ("kimi_linear", TP),  # KDA whole, MLA heads split
+    ("deepseek_v32", TP),  # MLA heads split, the indexer whole beside the latents
+    ("jamba", TP),  # Mamba whole, TP experts
+    ("jamba", dict(pp=2, dp_shard=2, schedule="1F1B", microbatches=2)),  # uneven padding across dp
+    ("nemotron_h", EP),  # Mamba2, attention, MLP and MoE blocks
+]
+
+
+def run_mixers(cases: list[tuple[str, dict]]) -> list[dict]:
+    """hf.run_all from this module, so each rank imports it and knows the families above."""
+    return hf.run_all(cases)
+
+
+def test_mixer_families_match_their_own_forward(world):
+    hf.assert_exact(world(4).run(run_mixers, CASES), CASES)
+
+
+def test_an_unknown_layer_type_is_refused_in_one_line():
+    config = small_config(T.Qwen3NextConfig())
+    config.layer_types = ["linear_attention", "telepathic_attention"]
+    with torch.device("meta"):
+        model = T.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ConfigError, match=r"Qwen3NextForCausalLM: config.layer_types has 'telepathic_attention'") as e:
+        layout_for(model)
+    assert "\n" not in str(e.value)
+
+
+def test_the_report_names_what_runs_whole_on_every_tp_rank():
+    """Qwen3-Next's gated-delta-net is split by heads (parallel/mixer_tp.py) and not named; Jamba's Mamba mixer (no
+    head-split record fits it) and DeepSeek-V3.2's indexer (beside MLA's latents) are, with their parameter counts;
+    split attention and experts are not."""
+    from pp_tp.models.hf.mixers import whole_in_blocks
+
+    def whole(name: str) -> dict:
+        model = hf.make(name, "meta")
+        layout = layout_for(model)
+        return whole_in_blocks(model.get_submodule(layout.blocks).children(), layout)
+
+    qwen = whole("qwen3_next")
+    assert not any(k.startswith(("linear_attn", "self_attn", "mlp.experts")) for k in qwen), qwen
+    jamba = hf.make("jamba", "meta")
+    mamba = sum(p.numel() for b in jamba.model.layers if hasattr(b, "mamba") for p in b.mamba.parameters())
+    assert whole("jamba")["mamba"] == (("JambaMambaMixer",), mamba)
+    dsa = whole("deepseek_v32")
+    assert "self_attn.indexer" in dsa and "self_attn.q_b_proj" not in dsa and "mlp.experts" not in dsa, dsa
