@@ -1,11 +1,12 @@
 """Context parallel (`parallel.cp`): head-tail sequence chunks, K/V all-gathered over cp, exact against the plain model.
 
 One 4-rank gloo world runs every multi-rank case (process start is the costly part): the reference model at
-pp2 x cp2 with uneven padding and clipping, HF Llama at tp2 x cp2, a sliding-window Mistral at pp2 x cp2, a V
-schedule's split backward under full activation checkpointing, HSDP with compiled blocks; each takes two AdamW
-steps and passes the float64 verdict on the loss, every full gradient and the parameters (pp_tp/parity/lockstep.py).
-MoE with EP and balancing under cp: tests/test_moe_balancing.py; packed documents: tests/test_document_mask.py.
-The refusals are one line each, before any collective.
+pp2 x cp2 with uneven padding and clipping, HF Llama at tp2 x cp2, a sliding-window Mistral at pp2 x cp2, Gemma 2's
+softcapping and GPT-OSS's sinks at pp2 x cp2, a V schedule's split backward under full activation checkpointing,
+HSDP with compiled blocks; each takes two AdamW steps and passes the float64 verdict on the loss, every full
+gradient and the parameters (pp_tp/parity/lockstep.py). MoE with EP and balancing under cp:
+tests/test_moe_balancing.py; packed documents: tests/test_document_mask.py. The refusals are one line each, before
+any collective.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import re
 import parity_utils as pu
 import pytest
 import torch
+from harness import World
 
 from pp_tp.config import ParallelConfig, config_from_dict, resolve_parallel, validate
 from pp_tp.errors import ConfigError
@@ -24,10 +26,12 @@ from pp_tp.parallel.fsdp import grad_factor
 WORLD = 4
 
 
-@pytest.fixture
-def world(world):
-    """The session's 4-rank world (tests/conftest.py): process start is the costly part."""
-    return world(WORLD)
+@pytest.fixture(scope="module")
+def world():
+    """A world of its own: state the cp cases leave in their ranks stays out of the session's ledger tests."""
+    w = World(WORLD)
+    yield w
+    w.close()
 
 
 def _compare(pcfg: ParallelConfig, hf: bool = False, model=None, steps: int = 2) -> dict:
@@ -172,3 +176,16 @@ def test_kv_all_gather_bytes_equal_the_planners(world):
         sums = [n for kind, n in r["on_cp"] if kind == "all_reduce" and n == r["analytic"] // 2]
         assert r["layers"] == 2 and len(gathers) == per_step and len(sums) == per_step, r
         assert sum(gathers) == r["layers"] * pcfg.microbatches * r["analytic"] == 2 * 2 * 8192, r
+
+
+CP_FAMILIES = [
+    ("gemma2_softcap", dict(pp=2, cp=2, microbatches=2)),  # eager attention: logit softcapping, sliding windows
+    ("gpt_oss", dict(pp=2, cp=2, microbatches=2)),  # eager attention with a sink logit per head; MoE experts
+]
+
+
+def test_softcapping_and_sink_families_under_cp(world):
+    """Transformers' own eager attention functions (softcapping, sinks) on local queries against gathered keys."""
+    import test_hf_families as hf
+
+    hf.assert_exact(world.run(hf.run_all, CP_FAMILIES), CP_FAMILIES)
