@@ -9,9 +9,10 @@ layout that declares it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from fnmatch import fnmatch
 
 import torch
+
+from pp_tp.base.fqn import matches_rule
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,7 @@ class ExpertsSpec:
     def holds(self, name: str) -> bool:
         """Whether the block-relative module `name` is one of these experts modules (each ``*`` one component, as
         `parallelize_module` matches): what a reader outside parallel/ (checkpoints) keys expert parameters by."""
-        parts = name.split(".")
-        return any(len(r.split(".")) == len(parts) and all(map(fnmatch, parts, r.split("."))) for r in self.modules)
+        return any(matches_rule(rule, name) for rule in self.modules)
 
     def routing_counts(self, args: tuple) -> torch.Tensor:
         """The routing slots per expert [n_experts] (int64) of one call of an experts module, read from its

@@ -15,7 +15,6 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from fnmatch import fnmatch
 from typing import TYPE_CHECKING
 
 from torch import nn
@@ -23,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
+from pp_tp.base.fqn import matches_rule
 from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
 from pp_tp.layout import ModelLayout
@@ -48,12 +48,6 @@ class PlanReport:
     @property
     def ok(self) -> bool:
         return not (self.unmatched_rules or self.unsharded_linears)
-
-
-def matches_rule(rule: str, fqn: str) -> bool:
-    """`parallelize_module`'s matching: same number of components, fnmatch on each."""
-    parts, names = rule.split("."), fqn.split(".")
-    return len(parts) == len(names) and all(fnmatch(n, p) for n, p in zip(names, parts))
 
 
 def _check_styles(plan: Mapping[str, str]) -> None:
