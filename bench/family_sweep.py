@@ -41,18 +41,24 @@ from transformers import AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
     MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES,
     MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
     MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES,
+    MODEL_FOR_TEXT_TO_WAVEFORM_MAPPING_NAMES,
 )
 
 import pp_tp
 from pp_tp.base.tensors import full_tensor, persistent_buffers
 from pp_tp.errors import ConfigError
+from pp_tp.models.hf.mixers import whole_on_tp
 from pp_tp.models.hf.randomness import is_dropout_key
 from pp_tp.models.hf.self_check import small_config, stir_zero_buffers
 from pp_tp.models.hf.tp_plan import declared_tp_plan
 from pp_tp.models.reference.model import ModelArgs
+from pp_tp.parallel.tensor_parallel import block_plan
+from pp_tp.parallel.tp_styles import TP_STYLES
 from pp_tp.parity import dp_share, mean_token_loss, rel_err
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -69,20 +75,39 @@ class Skip(Exception):
     """The reference model itself could not be built or run: the family is out of the sweep, not pp_tp's fault."""
 
 
-def out_of_scope(model_type: str) -> bool:
-    """An encoder-decoder or encoder-only family (its causal LM is a decoder of a seq2seq model or a masked LM's
-    encoder run causally): not a decoder-only LM, so not the sweep's to judge."""
+def out_of_scope(model_type: str) -> str | None:
+    """Why a model type is not a decoder-only LM for the sweep, or None when it is one.
+
+    Encoder-decoder and encoder-only families (their causal LM is a seq2seq model's decoder or a masked LM's encoder
+    run causally), and multimodal ones whose causal-LM class holds an image or audio encoder besides the decoder (the
+    class is built from the whole composite config, not its text config); their text decoders are rows of their own
+    where transformers registers one (gemma3 -> gemma3_text)."""
     mappings = (
         MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
         MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES,
         MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+        MODEL_FOR_TEXT_TO_WAVEFORM_MAPPING_NAMES,  # MusicGen: the decoder of a text-conditioned encoder-decoder
     )
-    return any(model_type in m for m in mappings)
+    if any(model_type in m for m in mappings):
+        return "encoder-decoder or encoder-only"
+    multimodal = (MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+    if any(model_type in m for m in multimodal) and not _text_config_class(model_type):
+        return "multimodal: an image or audio encoder beside the decoder"
+    return None
+
+
+def _text_config_class(model_type: str) -> bool:
+    """Whether transformers builds this type's causal LM from the text sub-config alone (Llama 4, Qwen3.5: the
+    decoder without the vision tower), as `AutoModelForCausalLM.from_config` decides."""
+    config_class = CONFIG_MAPPING[model_type]
+    text = getattr(config_class, "sub_configs", {}).get("text_config")
+    model_class = AutoModelForCausalLM._model_mapping.get(config_class, None)
+    return text is not None and getattr(model_class, "config_class", None) is text
 
 
 def families() -> list[str]:
     """Model types of every decoder-only causal-LM family, with a declared pipeline plan or not."""
-    return [t for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if not out_of_scope(t)]
+    return [t for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if out_of_scope(t) is None]
 
 
 def _class_name(model_type: str) -> str:
@@ -152,6 +177,8 @@ def reference_model(model_type: str) -> tuple[torch.nn.Module, str]:
         config = CONFIG_MAPPING[model_type]()
     except Exception as e:  # noqa: BLE001 - a family whose default config does not build is out of the sweep
         raise Skip(f"config: {_one_line(e)}") from e
+    if _text_config_class(model_type):  # the decoder alone, as from_config builds it
+        config = config.get_text_config()
     try:
         small = small_config(config)
     except Exception as e:  # noqa: BLE001 - pp_tp's shrink failing leaves nothing to compare against
@@ -237,12 +264,30 @@ def family_case(model_type: str, moe_layout: str = "ep") -> dict[str, Any]:
         return {**out, "error": f"Pipeline.step: {_one_line(e)}"}
     return {
         **out,
+        "mixers": mixer_tp(pipe) if pcfg.tp > 1 else "",
         "loss_err": abs(loss - want_loss.item()) / abs(want_loss.item()),
         "grad_errs": grad_errs,
         "bad_buffers": bad_buffers,
         "covered": covered,
         "params": sorted(params),
     }
+
+
+def mixer_tp(pipe: pp_tp.Pipeline) -> str:
+    """How TP treats this rank's block children beyond the Megatron pair: split by heads with a mixer record
+    (gated delta nets, Mamba2), or run whole on every TP rank (what the startup report names)."""
+    split = sorted(
+        {
+            f"{rule} ({style})"
+            for part in pipe.model_parts
+            for block in part.block_modules()
+            for rule, style in block_plan(block, part.layout).items()
+            if TP_STYLES[style].splits_mixer
+        }
+    )
+    whole = [f"{name} ({'/'.join(classes)})" for name, (classes, _) in whole_on_tp(pipe.model_parts).items()]
+    parts = [f"split by heads: {', '.join(split)}"] if split else []
+    return "; ".join(parts + ([f"whole: {', '.join(whole)}"] if whole else []))
 
 
 @dataclass
@@ -255,6 +300,7 @@ class Row:
     verdict: str  # exact | refused | wrong | skipped
     loss_err: float | None = None
     grad_err: float | None = None
+    mixers: str = ""
     note: str = ""
 
 
@@ -291,6 +337,7 @@ def classify(model_type: str, per_rank: Sequence[dict[str, Any]]) -> Row:
         problems.append(f"params on no rank: {', '.join(missing[:3])}" + (" ..." if len(missing) > 3 else ""))
     context = [f"{first['attn']} attention"] if first["attn"] != "sdpa" else []
     context += [f"dropout set to 0 for the comparison: {', '.join(first['dropout'])}"] if first["dropout"] else []
+    row.mixers = first["mixers"]
     row.verdict = "wrong" if problems else "exact"
     row.note = "; ".join(problems + context)
     return row
@@ -322,20 +369,23 @@ def markdown(rows: Sequence[Row]) -> str:
         f"Made by `python bench/family_sweep.py --out docs/family_sweep.md` (torch {torch.__version__}, "
         f"transformers {transformers.__version__}, 4 gloo ranks).",
         "",
-        "| family | model type | layout | verdict | loss err | worst grad err | note |",
-        "|---|---|---|---|---|---|---|",
+        "| family | model type | layout | verdict | loss err | worst grad err | TP of mixers | note |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         note = r.note.replace("|", "\\|").replace("\n", " ")
         lines.append(
             f"| {r.family} | {r.model_type} | {r.layout} | {r.verdict} | {fmt(r.loss_err)} | {fmt(r.grad_err)} "
-            f"| {note} |"
+            f"| {r.mixers} | {note} |"
         )
     counts = Counter(r.verdict for r in rows)
     lines.append("")
     lines.append(", ".join(f"{counts[v]} {v}" for v in ("exact", "refused", "wrong", "skipped")))
-    skipped = [t for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if out_of_scope(t)]
-    lines += ["", f"Out of scope (encoder-decoder or encoder-only, {len(skipped)}): {', '.join(skipped)}."]
+    scope: dict[str, list[str]] = {}
+    for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        if (why := out_of_scope(t)) is not None:
+            scope.setdefault(why, []).append(t)
+    lines += [""] + [f"Out of scope ({why}, {len(ts)}): {', '.join(ts)}." for why, ts in scope.items()]
     return "\n".join(lines) + "\n"
 
 

@@ -8,8 +8,10 @@ import pytest
 import torch
 import transformers as T
 
+from pp_tp import ParallelConfig
 from pp_tp.errors import ConfigError
 from pp_tp.layout import layout_for
+from pp_tp.preflight.rules import preflight
 from pp_tp.split.plan import StageSpec
 from pp_tp.stages.stage_module import StageModule
 
@@ -47,3 +49,14 @@ def test_a_plan_with_weights_between_its_parts_is_refused():
     with pytest.raises(ConfigError, match=r"is not embedding -> layers -> norm \(with only parameterless") as e:
         layout_for(model)
     assert "\n" not in str(e.value)
+
+
+def test_weights_beside_the_language_model_are_refused():
+    """A module with weights outside every module the layout places (a vision tower beside the language model)
+    would leave training and checkpoints unnoticed: preflight refuses it in one line, naming the parameter."""
+    model = _neox()
+    model.vision_tower = torch.nn.Linear(8, 8)  # beside gpt_neox, as a multimodal model holds its image encoder
+    with pytest.raises(ConfigError, match=r"parameter 'vision_tower.weight' lies outside every module") as e:
+        preflight(model, ParallelConfig(pp=2), "cpu")
+    assert "\n" not in str(e.value)
+    preflight(_neox(), ParallelConfig(pp=2), "cpu")  # the plain model passes

@@ -105,6 +105,23 @@ def check_layout_names(layout: ModelLayout) -> None:
         )
 
 
+def check_layout_holds_all(model: nn.Module, layout: ModelLayout) -> None:
+    """A parameter under no module the layout places on a stage would silently leave training and checkpoints (a
+    multimodal model's vision tower beside its language model): refused in one line."""
+    placed = [
+        *layout.first_fqns, layout.blocks, *layout.last_fqns, *layout.shared,
+        *layout.after_embed_modules, *layout.before_norm_modules,
+    ]  # fmt: skip
+    placed = [p for p in placed if p]
+    for name, _ in model.named_parameters():
+        if not any(name == p or name.startswith(p + ".") for p in placed):
+            raise ConfigError(
+                f"model {type(model).__name__}: parameter {name!r} lies outside every module the {layout.name!r} "
+                "layout places on a stage, so it would not be trained or saved; pp_tp trains a decoder-only LM "
+                "(load the text model alone) or register a layout that places it (pp_tp.extend.register_layout)"
+            )
+
+
 def check_dropout(model: nn.Module, layout: ModelLayout, pcfg: ParallelConfig, device_type: str) -> None:
     """Dropout whose masks the RNG discipline (pp_tp/parallel/rng.py) cannot place is refused: on a device whose
     generator pp_tp does not swap, inside compiled blocks under TP, or next to a TP style whose record does not say
@@ -157,6 +174,7 @@ def preflight(
     d = layout.dims(model)
     pcfg = resolve_embedding(pcfg, d)
     check_layout_names(layout)
+    check_layout_holds_all(model, layout)
     check_loss(layout, pcfg, custom_loss)
     check_model_shape(pcfg, d)
     if seq_len is not None and layout.is_lm:  # other models take no token sequence
