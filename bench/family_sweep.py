@@ -53,7 +53,7 @@ import pp_tp
 from pp_tp.base.tensors import full_tensor, persistent_buffers
 from pp_tp.errors import ConfigError
 from pp_tp.models.hf.mixers import whole_on_tp
-from pp_tp.models.hf.randomness import is_dropout_key
+from pp_tp.models.hf.randomness import is_dropout_key, noise_keys, switch_off_noise
 from pp_tp.models.hf.self_check import small_config, stir_zero_buffers
 from pp_tp.models.hf.tp_plan import declared_tp_plan
 from pp_tp.models.reference.model import ModelArgs
@@ -185,15 +185,19 @@ def reference_model(model_type: str) -> tuple[torch.nn.Module, str]:
         raise Skip(f"small_config: {_one_line(e)}") from e
     for key in _dropout_keys(small):  # random masks cannot match between two builds: compare without them
         setattr(small, key, 0.0)
-    if getattr(small, "max_position_embeddings", None) is not None:
-        small.max_position_embeddings = max(small.max_position_embeddings, MIN_POSITIONS)
+    try:
+        if getattr(small, "max_position_embeddings", None) is not None:
+            small.max_position_embeddings = max(small.max_position_embeddings, MIN_POSITIONS)
+    except NotImplementedError:  # XLNet: no position limit, and a setter that raises to say so
+        pass
+    cls = AutoModelForCausalLM._model_mapping[CONFIG_MAPPING[model_type]]  # from a text config too (Emu3, Mllama)
     try:
         with torch.device("meta"):
-            meta, attn = AutoModelForCausalLM.from_config(small, attn_implementation="sdpa"), "sdpa"
+            meta, attn = cls._from_config(small, attn_implementation="sdpa"), "sdpa"
     except Exception:  # noqa: BLE001 - sdpa refused: the family's eager attention is its reference
         try:
             with torch.device("meta"):
-                meta, attn = AutoModelForCausalLM.from_config(small, attn_implementation="eager"), "eager"
+                meta, attn = cls._from_config(small, attn_implementation="eager"), "eager"
         except Exception as e:  # noqa: BLE001
             raise Skip(f"model: {_one_line(e)}") from e
     n_params = sum(p.numel() for p in meta.parameters())
@@ -201,7 +205,7 @@ def reference_model(model_type: str) -> tuple[torch.nn.Module, str]:
         sizes = {k: sum(p.numel() for p in m.parameters()) for k, m in meta.named_modules() if k.count(".") == 1}
         raise Skip(f"{n_params / 1e6:.0f}M parameters after small_config, most in {max(sizes, key=sizes.get)}")
     torch.manual_seed(0)  # whatever the init draws (then overwritten) is the same on every rank
-    model = AutoModelForCausalLM.from_config(small, attn_implementation=attn).float()
+    model = cls._from_config(small, attn_implementation=attn).float()
     _seed_values(model)
     return model.train(), attn
 
@@ -221,7 +225,7 @@ def family_case(model_type: str, moe_layout: str = "ep") -> dict[str, Any]:
         return {"skipped": str(e)}
     config = model.config
     pcfg = parallel_config(config, moe_layout)
-    ids, labels = batch(ModelArgs(vocab_size=config.vocab_size), ROWS, SEQ)
+    ids, labels = batch(ModelArgs(vocab_size=config.get_text_config().vocab_size), ROWS, SEQ)
     pipelined = copy.deepcopy(model)  # before the reference step, so it holds no gradients
     out: dict[str, Any] = {
         "family": type(model).__name__,
@@ -230,6 +234,8 @@ def family_case(model_type: str, moe_layout: str = "ep") -> dict[str, Any]:
         "attn": attn,
         "dropout": _dropout_keys(CONFIG_MAPPING[model_type]()),
     }
+    noise = noise_keys(model)  # random draws beyond dropout: pp_tp builds with them on, both runs compare without
+    out["noise"] = switch_off_noise(model, noise)
     try:
         torch.manual_seed(0)
         want_loss = mean_token_loss(model, ids, labels)
@@ -245,6 +251,8 @@ def family_case(model_type: str, moe_layout: str = "ep") -> dict[str, Any]:
         return {**out, "refused": str(e)}
     except Exception as e:  # noqa: BLE001 - a crash inside pp_tp is the sweep's finding
         return {**out, "error": f"build_pipeline: {_one_line(e)}"}
+    for part in pipe.model_parts:
+        switch_off_noise(part, noise)
     try:
         torch.manual_seed(0)
         loss = pipe.step(dp_share(mesh, ids), dp_share(mesh, labels)).item()
@@ -337,6 +345,12 @@ def classify(model_type: str, per_rank: Sequence[dict[str, Any]]) -> Row:
         problems.append(f"params on no rank: {', '.join(missing[:3])}" + (" ..." if len(missing) > 3 else ""))
     context = [f"{first['attn']} attention"] if first["attn"] != "sdpa" else []
     context += [f"dropout set to 0 for the comparison: {', '.join(first['dropout'])}"] if first["dropout"] else []
+    noise = first.get("noise")
+    context += (
+        [f"random draws beyond dropout set to 0 for the comparison (built with them on): {', '.join(noise)}"]
+        if noise
+        else []
+    )
     row.mixers = first["mixers"]
     row.verdict = "wrong" if problems else "exact"
     row.note = "; ".join(problems + context)

@@ -5,11 +5,18 @@ the two head shards differ; dp replicas and the two stages draw different masks;
 and the streams a checkpoint saves replay a step's masks. With activation checkpointing the recompute redraws the
 same masks (gradients equal to the run without it), and the model trains (loss falls). Refusals where the
 discipline cannot hold, and `switch_off_dropout`, single-process.
+
+Random draws beyond dropout (PhiMoE's sparsemixer routing with `router_jitter_noise` on, pp_tp/models/hf/randomness.py)
+follow the same discipline: built with the noise on at pp2 x dp2 x tp2 and fed the same tokens on both dp replicas,
+every router's choices are identical on the two TP ranks, differ across dp replicas and differ from the noiseless
+top-1; a TP plan that would put such a draw inside a sharded region is refused for parallel.tp > 1.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import re
 
 import parity_utils as pu
 import pytest
@@ -20,6 +27,8 @@ import pp_tp
 from pp_tp.base.tensors import full_tensor
 from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
+from pp_tp.models.hf import randomness
+from pp_tp.models.hf.layout import compose
 from pp_tp.models.reference.model import ModelArgs
 from pp_tp.parallel.rng import active_dropout, switch_off_dropout
 from pp_tp.parity import dp_share
@@ -108,6 +117,74 @@ def _case() -> dict:
         "losses": losses,
         "step_losses": (loss, second, replayed),
     }
+
+
+def _phimoe(device: str = "cpu", noise: float = 0.5) -> torch.nn.Module:
+    config = T.PhimoeConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, max_position_embeddings=64, num_local_experts=4, router_jitter_noise=noise,
+    )  # fmt: skip
+    with torch.device(device):
+        return T.AutoModelForCausalLM.from_config(config)
+
+
+def _noise_case() -> dict:
+    """This rank's router choices (routing weights, experts, router logits) in one step of PhiMoE with its sparsemixer
+    noise on, every dp replica fed the same tokens."""
+    gen = torch.Generator().manual_seed(0)
+    state = {k: torch.randn(v.shape, generator=gen) * 0.2 for k, v in _phimoe("meta").named_parameters()}
+    pcfg = pu.pcfg_of(**PCFG)
+    pipe = pp_tp.build_pipeline(_phimoe("meta", 0.0), pu.mesh_for(pcfg), pcfg, state_dict=state, rng_seed=3)
+    for part in pipe.model_parts:  # the noise on after the build: this test is about the streams it draws from
+        for module in part.modules():
+            if hasattr(module, "router_jitter_noise"):
+                module.router_jitter_noise = 0.5
+    records = []
+    hooks = [
+        m.register_forward_hook(lambda m, a, out: records.append([full_tensor(t).detach().clone() for t in out]))
+        for part in pipe.model_parts
+        for name, m in part.named_modules()
+        if name.endswith("mlp.router")
+    ]
+    ids, labels = pu.batch(ModelArgs(vocab_size=VOCAB), BATCH // 2, SEQ)
+    try:
+        pipe.step(ids, labels)  # the same tokens on both dp replicas
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return {"coords": tuple(pipe.mesh[d].get_local_rank() for d in ("pp", "dp_shard", "tp")), "records": records}
+
+
+def test_router_noise_follows_the_dropout_discipline(world):
+    ranks = {r["coords"]: r["records"] for r in world(8).run(_noise_case)}
+    for pp, dp in itertools.product(range(2), range(2)):
+        a, b = ranks[(pp, dp, 0)], ranks[(pp, dp, 1)]
+        assert len(a) == 4  # 2 layers x 2 microbatches
+        assert all(torch.equal(x, y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))  # TP ranks choose alike
+        logits, weights, experts = a[0]
+        assert (experts[:, 0] != logits.argmax(-1)).any()  # the noise acts: not always the top-1 expert
+    for tp in range(2):  # the first router sees the same values on both dp replicas, and draws differently
+        a, b = ranks[(0, 0, tp)][0], ranks[(0, 1, tp)][0]
+        assert torch.equal(a[0], b[0]) and not torch.equal(a[2], b[2]), (a, b)
+
+
+def test_a_draw_inside_a_sharded_region_refuses_tp_and_the_noise_can_be_switched_off():
+    model = _phimoe("meta")
+    layout = randomness.check_randomness(model, compose(model))
+    assert layout.tp_refusal is None  # the router draws on the replicated hidden state, outside every region
+    assert randomness.noise_keys(model) == {"router_jitter_noise": 0.5}
+    opened = dataclasses.replace(layout, tp_plan={"self_attn.q_proj": "colwise"})  # a region left open to the end
+    refusal = randomness.check_randomness(model, opened).tp_refusal
+    assert re.fullmatch(
+        r"model PhimoeForCausalLM: its training forward draws random numbers \(router_jitter_noise = 0.5\) in "
+        r"model.layers.0.mlp.router, inside a tensor-parallel sharded region, .*; set parallel.tp = 1 or "
+        r"router_jitter_noise to 0 in the model config",
+        refusal,
+    )
+    closed = dataclasses.replace(layout, tp_plan={"self_attn.q_proj": "colwise", "self_attn.o_proj": "rowwise"})
+    assert randomness.check_randomness(model, closed).tp_refusal is None
+    assert randomness.switch_off_noise(model, {"router_jitter_noise": 0.5}) == ["router_jitter_noise"]
+    assert model.config.router_jitter_noise == 0.0 and model.model.layers[3].mlp.router.router_jitter_noise == 0.0
 
 
 def test_dropout_streams_follow_the_discipline(world):

@@ -66,6 +66,21 @@ def test_gpt_oss_record_says_how_its_experts_are_stored():
     )
 
 
+def test_llama4_record_is_proven_by_probes():
+    """Llama 4 declares its experts only in its TP plan (`moe_tp_experts`), stores gate/up as [E, D, 2F] without
+    transformers' storage attributes and calls them densely (every token, rows in equal blocks per expert): the
+    probes on a small CPU copy prove the dense convention and the transposed, concatenated packing, so TP of its
+    experts follows its declared (`packed_rowwise` / `colwise`) rules."""
+    spec = layout_for(make("llama4_text", "meta")).experts_spec
+    assert (spec.modules, spec.n_experts, spec.top_k) == (("feed_forward.experts",), 4, 1)
+    assert spec.dense and not spec.grouped
+    assert spec.weights == PackedSwiGLU(gate_up_dim=2, down_dim=1) and spec.tp
+    assert spec.routers == ()  # a sigmoid of the top-k logits: no softmax router for the auxiliary loss
+    rows = torch.zeros(4 * 3, 5)
+    rows[[0, 1, 4, 11]] = 1.0  # expert 0: two routed rows, expert 1: one, expert 2: none, expert 3: one
+    assert spec.routing_counts((rows,)).tolist() == [2, 1, 0, 1]
+
+
 def test_torchtitan_record():
     pytest.importorskip("torchtitan")
     from test_torchtitan import EXPERTS, deepseek_v3_config

@@ -1,6 +1,8 @@
 """Hugging Face causal LMs that declare no `base_model_pp_plan`: structure found from their own forward
-(pp_tp/models/hf/discover.py), exact against the model's own run, or refused in one line; Llama 4 (text); and
-randomness beyond dropout in a family's training forward (pp_tp/models/hf/randomness.py), refused while on.
+(pp_tp/models/hf/discover.py: through wrappers such as BERT's `encoder`, with no final norm, with ALiBi biases the
+family's own code computes per microbatch shape), exact against the model's own run, or refused in one line; Llama 4
+(text); and randomness beyond dropout in a family's training forward (pp_tp/models/hf/randomness.py), accepted
+outside TP regions.
 
 Tiny configs built here, fp32. Exactness: loss, every full gradient and the parameters after two AdamW steps against
 the model's own run, in lockstep (pp_tp/parity/lockstep.py, the float64 verdict), all cases in one 4-rank world.
@@ -29,12 +31,25 @@ OPT = dict(
     hidden_size=32, ffn_dim=64, num_hidden_layers=4, num_attention_heads=4, max_position_embeddings=64,
     word_embed_proj_dim=32, dropout=0.0,
 )  # fmt: skip
+MPT = dict(d_model=32, n_heads=4, n_layers=4, expansion_ratio=2, max_seq_len=64, resid_pdrop=0.0, emb_pdrop=0.0)
+BERT = dict(
+    hidden_size=32, num_hidden_layers=4, num_attention_heads=4, intermediate_size=64, max_position_embeddings=64,
+    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, is_decoder=True,
+)  # fmt: skip
 CONFIGS = {
     "gpt2": lambda **kw: T.GPT2Config(
         n_embd=32, n_layer=4, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **IDS, **kw
     ),
     "opt": lambda **kw: T.OPTConfig(**{**OPT, **IDS, **kw}),
-    "bloom": lambda **kw: T.BloomConfig(hidden_size=32, n_layer=4, n_head=4, **IDS, **kw),
+    "bloom": lambda **kw: T.BloomConfig(
+        **{**dict(hidden_size=32, n_layer=4, n_head=4, hidden_dropout=0.0, attention_dropout=0.0), **IDS, **kw}
+    ),
+    "mpt": lambda **kw: T.MptConfig(**{**MPT, **IDS, **kw}),
+    "bert-generation": lambda **kw: T.BertGenerationConfig(**{**BERT, **IDS, **kw}),
+    "openai-gpt": lambda **kw: T.OpenAIGPTConfig(
+        n_embd=32, n_layer=4, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **IDS, **kw
+    ),
+    "xlnet": lambda **kw: T.XLNetConfig(d_model=32, n_layer=2, n_head=4, d_inner=64, **IDS, **kw),
     "llama4_text": lambda **kw: T.Llama4TextConfig(
         **BASE, intermediate_size_mlp=64, head_dim=8, num_local_experts=4, attention_chunk_size=4, **kw
     ),
@@ -81,8 +96,27 @@ def test_the_gpt2_first_stage_adds_learned_positions_as_its_forward_does():
 
 
 def test_structures_it_cannot_prove_are_refused_in_one_line():
-    one_line("bloom", r"BloomForCausalLM: its forward hands its layers 'alibi', which pp_tp does not compute")
+    one_line("xlnet", r"XLNetLMHeadModel: its forward calls dropout more than once")  # two-stream, before collectives
     one_line("opt", r"runs \['final_layer_norm', 'project_out'\] after its layers", word_embed_proj_dim=16)
+
+
+def test_wrapped_layers_no_final_norm_and_alibi_are_found():
+    bert = layout_for(make("bert-generation", "meta"))
+    assert (bert.embed, bert.blocks, bert.norm) == ("bert.embeddings.word_embeddings", "bert.encoder.layer", "")
+    assert bert.last_fqns == ("lm_head.decoder",)  # no final norm: the head right after the layers
+    assert layout_for(make("openai-gpt", "meta")).last_fqns == ("lm_head",)
+    bloom = layout_for(make("bloom", "meta", n_head=8))
+    assert bloom.document_block_inputs is None  # biases from the batch's shape: packed documents refused
+
+
+def test_alibi_is_what_the_family_computes_for_the_models_own_head_count():
+    from transformers.models.bloom.modeling_bloom import BloomModel
+
+    model = make("bloom", "meta", n_head=8)  # 8 heads; the discovery copy has 4
+    h = torch.zeros(3, 5, 32, dtype=torch.bfloat16)
+    _, _, _, computed = layout_for(model).block_inputs(None, h)
+    want = BloomModel.build_alibi_tensor(None, torch.ones(3, 5), 8, torch.bfloat16)
+    assert computed["alibi"].dtype == torch.bfloat16 and torch.equal(computed["alibi"], want)
 
 
 def test_llama4_text_gets_a_layout_with_chunked_attention():
@@ -90,8 +124,9 @@ def test_llama4_text_gets_a_layout_with_chunked_attention():
     assert (lay.embed, lay.blocks, lay.norm) == ("model.embed_tokens", "model.layers", "model.norm")
 
 
-def test_router_noise_is_refused_while_on_naming_its_key():
-    one_line("phimoe", r"PhimoeForCausalLM: .*outside dropout \(router_jitter_noise = 0.01\).*set router_jitter_noise")
+def test_router_noise_outside_sharded_regions_is_accepted():
+    """PhiMoE's sparsemixer draws on the replicated hidden state (pp_tp/models/hf/randomness.py): TP stays allowed."""
+    assert layout_for(make("phimoe", "meta")).tp_refusal is None
     assert layout_for(make("phimoe", "meta", router_jitter_noise=0.0)).blocks == "model.layers"
 
 
@@ -114,6 +149,9 @@ CASES = [
     ("opt", dict(DP2, schedule="Interleaved1F1B"), {}),
     ("llama4_text", DP2, {}),
     ("phimoe", dict(pp=2, tp=2, schedule="1F1B", microbatches=2), dict(router_jitter_noise=0.0)),
+    ("bloom", DP2, {}),  # ALiBi computed per microbatch by BLOOM's own code
+    ("mpt", DP2, {}),  # ALiBi as position_bias, its mask handed to layers as bool
+    ("bert-generation", DP2, {}),  # embeddings and layers inside wrappers, no final norm
 ]
 
 

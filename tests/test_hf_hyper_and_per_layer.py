@@ -19,6 +19,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from pp_tp.errors import ConfigError
 from pp_tp.layout import layout_for
+from pp_tp.models.hf.extras import after_embed, after_head
 from pp_tp.models.hf.layout import _dims
 from pp_tp.models.hf.self_check import small_config
 
@@ -33,11 +34,17 @@ FAMILIES.update(
     {
         "deepseek_v4_score_routed": ("deepseek_v4", dict(mlp_layer_types=["moe"] * 4), "eager"),
         "gemma4_per_layer_head_dim": (T.Gemma4TextConfig, GEMMA4, "sdpa"),
+        # a parameterless norm the forward runs before its layers too; logits softcapped
+        "nanochat_norm_before_layers": ("nanochat", {}, "sdpa"),
+        # a causal mask although its config sets a window
+        "moshi_causal_mask": ("moshi", dict(sliding_window=4), "sdpa"),
     }
 )
 CASES = [
     ("deepseek_v4_score_routed", dict(pp=2, dp_shard=2, ep=2, schedule="1F1B", microbatches=2)),
     ("gemma4_per_layer_head_dim", dict(pp=2, tp=2, schedule="1F1B", microbatches=2)),
+    ("nanochat_norm_before_layers", dict(pp=2, tp=2, schedule="1F1B", microbatches=2)),
+    ("moshi_causal_mask", dict(pp=2, dp_shard=2, schedule="1F1B", microbatches=2)),
 ]
 
 
@@ -85,6 +92,7 @@ def test_tp_divisibility_is_checked_per_layer():
         ("gemma4_text", {}, r"model.embed_tokens_per_layer holds weights outside embedding/layers/norm"),
         ("gemma4_text", dict(hidden_size_per_layer_input=0, num_kv_shared_layers=2), r"num_kv_shared_layers = 2"),
         ("hy_v4", {}, r"hands each layer the previous layer's 'topk_indices' \(as 'prev_topk_indices'\)"),
+        ("zaya", {}, r"hands each layer the previous layer's 'prev_router_hidden_states' \(as 'argument 2'\)"),
     ],
 )
 def test_what_a_layer_cannot_be_handed_is_refused_in_one_line(model_type, extra, match):
@@ -94,3 +102,25 @@ def test_what_a_layer_cannot_be_handed_is_refused_in_one_line(model_type, extra,
     with pytest.raises(ConfigError, match=match) as e:
         layout_for(model)
     assert "\n" not in str(e.value)
+
+
+def test_an_aliased_config_key_is_not_read_as_the_extra_it_names():
+    """Inkling's `attribute_map` makes `embedding_multiplier` read `logits_mup_width_multiplier` (24), which its
+    forward divides the last hidden state by: no embedding scale, the logits divided by 24 (a bias-free head)."""
+    config = CONFIG_MAPPING["inkling_text"]()
+    assert config.embedding_multiplier == 24.0 and after_embed(config) is None
+    x = torch.randn(2, 3, 8)
+    assert torch.equal(after_head(config)(x), x / 24.0)
+    granite = T.GraniteConfig(embedding_multiplier=12.0, logits_scaling=8.0)
+    assert torch.equal(after_embed(granite)(x), x * 12.0) and torch.equal(after_head(granite)(x), x / 8.0)
+
+
+@pytest.mark.parametrize("model_type", ["doge", "lara_mini", "bailing_hybrid", "inkling_text", "moshi", "nanochat"])
+def test_what_the_forward_hands_its_layers_is_taken_from_it(model_type):
+    """Doge's materialized mask, LaraMini's layers without rotary tables, Bailing's rotary tables through **kwargs,
+    Inkling's causal masks for its hybrid layers: the self-check proves each composition equal (1e-5) to the
+    family's own forward on its small copy, so the layout is given."""
+    config = small_config(CONFIG_MAPPING[model_type]())
+    with torch.device("meta"):
+        model = T.AutoModelForCausalLM.from_config(config)
+    assert layout_for(model).blocks == "model.layers"

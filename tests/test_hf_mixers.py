@@ -1,8 +1,9 @@
 """Hugging Face families whose blocks mix beyond softmax attention (gated-delta-net and KDA linear attention, Mamba,
-DeepSeek-V3.2's sparse-attention indexer): exact at pp2 x tp2 (gated delta nets split by heads, parallel/mixer_tp.py;
-the mixers no head-split record fits running whole on every TP rank), MoE ones at pp2 x ep2, or refused in one line.
+DeepSeek-V3.2's sparse-attention indexer): exact at pp2 x tp2 (gated delta nets and Mamba2 split by heads,
+parallel/mixer_tp.py; the mixers no head-split record fits running whole on every TP rank), MoE ones at pp2 x ep2, or
+refused in one line.
 
-Each family is its own default config shrunk by the self-check's rule (4 layers cycling its layer types), checked in
+Each family is its own default config shrunk by the self-check's rule (4 layers cycling its per-layer lists), checked in
 lockstep against the model's own run exactly as tests/test_hf_families.py checks the softmax families (loss, every full
 gradient, parameters after two AdamW steps, buffers), through that file's `family_case`.
 """
@@ -23,16 +24,21 @@ from pp_tp.models.hf.self_check import small_config
 
 
 def _small(model_type: str, num_hidden_layers: int, **_: object):
-    """The family's default config shrunk by the self-check's rule, `num_hidden_layers` layers cycling its types."""
+    """The family's default config shrunk by the self-check's rule, `num_hidden_layers` layers cycling its per-layer
+    lists (layer types, MLP types)."""
     config = small_config(CONFIG_MAPPING[model_type]())
-    types = list(dict.fromkeys(getattr(config, "layer_types", None) or []))
+    n = config.num_hidden_layers
+    lists = {k: v for k, v in config.to_dict().items() if isinstance(v, list) and len(v) == n}
     config.num_hidden_layers, config.vocab_size, config.max_position_embeddings = num_hidden_layers, hf.VOCAB, 64
-    if types and not isinstance(getattr(type(config), "layer_types", None), property):
-        config.layer_types = (types * num_hidden_layers)[:num_hidden_layers]
+    for key, values in lists.items():
+        setattr(config, key, (values * num_hidden_layers)[:num_hidden_layers])
+    if hasattr(config, "attn_layer_indices"):  # Bamba's default stack has no attention layer: one makes it hybrid
+        config.attn_layer_indices = [1]
     return config
 
 
 MIXERS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear", "deepseek_v32", "jamba", "nemotron_h")
+MIXERS += ("bamba",)
 hf.FAMILIES.update({name: (functools.partial(_small, name), {}, "sdpa") for name in MIXERS})
 
 TP = dict(pp=2, tp=2, schedule="1F1B", microbatches=2)
@@ -45,6 +51,7 @@ CASES = [
     ("jamba", TP),  # Mamba whole, TP experts
     ("jamba", dict(pp=2, dp_shard=2, schedule="1F1B", microbatches=2)),  # uneven padding across dp
     ("nemotron_h", EP),  # Mamba2, attention, MLP and MoE blocks
+    ("bamba", TP),  # Mamba2 split by heads (2 groups, one per TP rank); attention and MLP, unplanned, whole
 ]
 
 

@@ -24,6 +24,8 @@ from pp_tp.config import JobConfig
 from pp_tp.errors import ConfigError
 from pp_tp.layout import layout_for
 from pp_tp.models.factory import build_model
+from pp_tp.models.hf.layout import is_hf_model
+from pp_tp.models.hf.randomness import noise_keys, switch_off_noise
 from pp_tp.parallel.mesh import init_distributed
 from pp_tp.parallel.rng import switch_off_dropout
 from pp_tp.parity import FACTOR, FLOOR_ULPS, PipelineRun, ReferenceRun, StepDiff, lockstep
@@ -67,6 +69,11 @@ def run_parity(cfg: JobConfig, steps: int) -> int:
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     t = cfg.training
     pipe = pp_tp.build_pipeline(meta, mesh, cfg.parallel, state_dict=state, loss_fn=t.loss or None)
+    # draws beyond dropout (router jitter): built with them on, so pp_tp's checks see them; compared without them
+    noise = noise_keys(model) if is_hf_model(model) else {}
+    noise_off = switch_off_noise(model, noise)
+    for part in pipe.model_parts:
+        switch_off_noise(part, noise)
 
     def adamw(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
@@ -79,6 +86,8 @@ def run_parity(cfg: JobConfig, steps: int) -> int:
         print(format_table(rows))
         if dropout:
             print(f"dropout off in both builds for the comparison: {', '.join(dropout)}")
+        if noise_off:
+            print(f"random draws beyond dropout off in both builds for the comparison: {', '.join(noise_off)}")
     return 0 if all(r[-1] == "ok" for r in rows) else 1
 
 

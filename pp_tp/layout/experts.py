@@ -46,6 +46,8 @@ class ExpertsSpec:
     ``grouped``: the calling convention; False: routed, ``experts(hidden [T, D], top_k_index [T, k], top_k_weights
     [T, k])`` (transformers, the reference MoE); True: ``experts(tokens sorted by expert [N, D], tokens_per_expert
     [E])`` (torchtitan's GroupedExperts, whose caller applies the scores).
+    ``dense``: a third convention, ``experts(rows [E * T, D])``: every token at every expert, expert e reading the
+    e-th of E equal contiguous row blocks (Llama 4, whose caller scales the rows by the routing scores first).
     ``weights``: the packed SwiGLU weights (None: stored otherwise, so no TP of experts); ``tp``: the family declares
     TP of its experts (then ``weights`` says what to split); without it parallel.tp > 1 is refused.
     ``count_attr``: the module attribute its forward sizes its experts by (transformers' ``num_experts``), set to the
@@ -60,6 +62,7 @@ class ExpertsSpec:
     n_experts: int
     top_k: int | None
     grouped: bool = False
+    dense: bool = False
     expert_dim: int = 0
     weights: PackedSwiGLU | None = PackedSwiGLU()
     tp: bool = False
@@ -68,6 +71,8 @@ class ExpertsSpec:
     bias: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.grouped and self.dense:
+            raise ValueError("ExpertsSpec: grouped and dense are two calling conventions; set one")
         if self.tp and self.weights is None:
             raise ValueError("ExpertsSpec: tp = True needs the packed weights it splits (weights)")
 
@@ -78,7 +83,11 @@ class ExpertsSpec:
 
     def routing_counts(self, args: tuple) -> torch.Tensor:
         """The routing slots per expert [n_experts] (int64) of one call of an experts module, read from its
-        arguments per the calling convention (before any dispatch: global expert ids)."""
+        arguments per the calling convention (before any dispatch: global expert ids). Dense: the rows a zero
+        routing score left all zero count as not routed."""
+        if self.dense:
+            rows = args[0].detach()
+            return rows.reshape(self.n_experts, -1, rows.shape[-1]).ne(0).any(-1).sum(1).to(torch.int64)
         if self.grouped:
             return args[1].detach().to(torch.int64)
         return torch.bincount(args[1].detach().reshape(-1), minlength=self.n_experts)

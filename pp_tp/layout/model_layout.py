@@ -104,7 +104,7 @@ class ModelLayout:
     @property
     def last_fqns(self) -> tuple[str, ...]:
         """The modules the last stage runs, in order, after its blocks."""
-        return self.post if not self.is_lm else (self.norm, self.head)
+        return self.post if not self.is_lm else tuple(f for f in (self.norm, self.head) if f)  # norm "": none
 
     @property
     def experts(self) -> tuple[str, ...]:

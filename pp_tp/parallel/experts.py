@@ -8,11 +8,12 @@ contiguous shards) and down split on its input dim; biases (GPT-OSS) follow: gat
 on every TP rank and added by one of them (pp_tp.parallel.expert_dispatch).
 `.full_tensor()` gives every expert, so checkpoints stay layout-free. The module's class gains a forward that
 dispatches tokens (pp_tp.parallel.expert_dispatch) around the family's own forward, run on local experts.
-Two calling conventions: routed, `experts(hidden [T, D], top_k_index [T, k], top_k_weights [T, k])`
-(transformers, the reference MoE), and grouped, `experts(tokens sorted by expert [N, D], tokens_per_expert [E])`
-(torchtitan's GroupedExperts, after its own reorder; its caller applies the routing scores). A grouped call is
-dispatched as a routed one with k = 1 and unit weights (exact: x * 1 and 0 + x), its local forward gets its
-tokens sorted by local expert again.
+Three calling conventions: routed, `experts(hidden [T, D], top_k_index [T, k], top_k_weights [T, k])`
+(transformers, the reference MoE), grouped, `experts(tokens sorted by expert [N, D], tokens_per_expert [E])`
+(torchtitan's GroupedExperts, after its own reorder; its caller applies the routing scores), and dense,
+`experts(rows [E * T, D])`, expert e on the e-th of E equal row blocks (Llama 4; its caller scales the rows). A
+grouped or dense call is dispatched as a routed one with k = 1 and unit weights (exact: x * 1 and 0 + x), its local
+forward gets its rows sorted by local expert again.
 """
 
 from __future__ import annotations
@@ -33,11 +34,16 @@ from pp_tp.layout import ExpertsSpec, ModelLayout
 from pp_tp.parallel.expert_dispatch import ExpertDispatch
 from pp_tp.parallel.tensor_parallel import matches_rule
 
-# The calling conventions (ExpertsSpec.grouped): how the experts are called, and with how many arguments.
+# The calling conventions (ExpertsSpec.grouped / dense): how the experts are called, and with how many arguments.
 _CALLS = {
-    False: ("experts(hidden, top_k_index, top_k_weights)", 3),
-    True: ("experts(tokens sorted by expert, tokens_per_expert)", 2),
+    "routed": ("experts(hidden, top_k_index, top_k_weights)", 3),
+    "grouped": ("experts(tokens sorted by expert, tokens_per_expert)", 2),
+    "dense": ("experts(rows in equal blocks per expert)", 1),
 }
+
+
+def _convention(spec: ExpertsSpec) -> str:
+    return "grouped" if spec.grouped else "dense" if spec.dense else "routed"
 
 
 def experts_modules(block: nn.Module, layout: ModelLayout) -> list[tuple[str, nn.Module]]:
@@ -84,15 +90,22 @@ def _check_module(fqn: str, module: nn.Module, spec: ExpertsSpec) -> None:
     params = dict(module.named_parameters(recurse=False))
     nested = len(params) != len(list(module.parameters()))
     d, n = spec.expert_dim, spec.n_experts
-    if not params or nested or any(p.dim() <= d or p.shape[d] != n for p in params.values()):
+    odd = next((name for name, p in params.items() if p.dim() <= d or p.shape[d] != n), None)
+    if odd is not None:  # LongCat-Flash: gate/up holds its identity experts too, down the routed ones only
+        sizes = ", ".join(f"{k} {tuple(p.shape)}" for k, p in params.items())
+        raise ConfigError(
+            f"{fqn} ({type(module).__name__}): its parameters hold unequal expert counts on dim {d} ({sizes}), so "
+            "pp_tp cannot split them by expert; set parallel.ep = 1 and parallel.tp = 1"
+        )
+    if not params or nested:
         raise ConfigError(
             f"{fqn} ({type(module).__name__}) is not an experts module of parameters holding its {n} experts on "
             f"dim {d} (ExpertsSpec.expert_dim); set parallel.ep = 1 and parallel.tp = 1"
         )
-    call, arity = _CALLS[spec.grouped]
+    call, arity = _CALLS[_convention(spec)]
     if len(inspect.signature(module.forward).parameters) != arity:
         raise ConfigError(
-            f"{fqn} ({type(module).__name__}) is not called as {call} (ExpertsSpec.grouped); "
+            f"{fqn} ({type(module).__name__}) is not called as {call} (ExpertsSpec.grouped / dense); "
             "set parallel.ep = 1 and parallel.tp = 1"
         )
 
@@ -156,11 +169,11 @@ def shard_experts(module: nn.Module, spec: ExpertsSpec, mesh: DeviceMesh, pcfg: 
     if spec.count_attr is not None:  # the family's forward sizes its experts by it (transformers' kernels' bins)
         setattr(module, spec.count_attr, dispatch.local_experts)
     module.expert_dispatch = dispatch
-    module.__class__ = _dispatching(type(module), spec.grouped)
+    module.__class__ = _dispatching(type(module), _convention(spec))
 
 
 @cache
-def _dispatching(cls: type[nn.Module], is_grouped: bool) -> type[nn.Module]:
+def _dispatching(cls: type[nn.Module], convention: str) -> type[nn.Module]:
     """`cls` with a forward that dispatches tokens around `cls.forward` (one subclass per experts class)."""
 
     def forward(self: Any, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Any:
@@ -172,7 +185,14 @@ def _dispatching(cls: type[nn.Module], is_grouped: bool) -> type[nn.Module]:
         ones = torch.ones(tokens.shape[0], 1, dtype=tokens.dtype, device=tokens.device)
         return self.expert_dispatch(self, partial(_grouped_local, cls.forward), tokens, ids, ones)
 
-    body = forward_grouped if is_grouped else forward
+    def forward_dense(self: Any, rows: torch.Tensor) -> Any:
+        n = self.expert_dispatch.n_experts
+        experts = torch.arange(n, device=rows.device)
+        ids = torch.repeat_interleave(experts, rows.shape[0] // n, output_size=rows.shape[0]).unsqueeze(1)
+        ones = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
+        return self.expert_dispatch(self, partial(_dense_local, cls.forward), rows, ids, ones)
+
+    body = {"routed": forward, "grouped": forward_grouped, "dense": forward_dense}[convention]
     return type(cls.__name__, (cls,), {"forward": body, "__module__": cls.__module__})
 
 
@@ -183,6 +203,14 @@ def _grouped_local(forward: Any, module: nn.Module, slots: torch.Tensor, ids: to
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=module.expert_dispatch.local_experts)
     return forward(module, slots[order], counts)[torch.argsort(order)]
+
+
+def _dense_local(forward: Any, module: nn.Module, slots: torch.Tensor, ids: torch.Tensor, weights: Any) -> Any:
+    """A dense experts forward on the dispatched rows: sorted by local expert into its equal blocks, then put back.
+    Every local expert gets the same row count (each rank sends T rows per expert, equal microbatches)."""
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    return forward(module, slots[order])[torch.argsort(order)]
 
 
 def expert_dispatches(module: nn.Module) -> list[ExpertDispatch]:

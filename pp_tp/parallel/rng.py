@@ -12,6 +12,10 @@ swaps that generator's state rather than handing dropout a generator of its own:
   stream as it was at the block's start) forks alike and redraws the same masks.
 
 Which styles open and close a region is each style's record (`TPStyle.dropout`, parallel/tp_styles.py).
+
+Any other draw a model's forward makes from the default generator (PhiMoE's sparsemixer routing) rides the same
+streams: outside every region it is identical on a stage's TP ranks and differs across stages and dp replicas;
+models/hf/randomness.py refuses TP where such a draw would fall inside a region.
 """
 
 from __future__ import annotations

@@ -115,6 +115,17 @@ class ReplicateInput(ParallelStyle):
         return module
 
 
+class OwnedRowwise(RowwiseParallel):
+    """RowwiseParallel whose local output is a tensor of its own: `DTensor.to_local` hands back its local tensor as a
+    custom Function's view, which autograd forbids modifying in place, and families add into a row-parallel output in
+    place (Llama 4's MoE: `shared_expert(x).add_(routed)`). One copy of the all-reduced activation per layer."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):  # noqa: ANN001, ANN205
+        out = RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        return out.clone() if use_local_output else out
+
+
 _BUILT_IN = {
     # Weight and bias sharded on out_features; the output stays this rank's feature (head) shard.
     "colwise": TPStyle(lambda: ColwiseParallel(use_local_output=True), sharded_dim=0, dropout="opens"),
@@ -126,11 +137,11 @@ _BUILT_IN = {
         dropout="neutral",
     ),
     # Weight sharded on in_features; the partial sums are all-reduced, the bias is added once.
-    "rowwise": TPStyle(lambda: RowwiseParallel(use_local_output=True), sharded_dim=1, dropout="closes"),
+    "rowwise": TPStyle(lambda: OwnedRowwise(use_local_output=True), sharded_dim=1, dropout="closes"),
     # Weight sharded on in_features, the replicated input sliced locally, the partial sums all-reduced
     # (after a gathered column-parallel layer, e.g. HF's fused projections).
     "rowwise_split_input": TPStyle(
-        lambda: RowwiseParallel(input_layouts=Replicate(), use_local_output=True), sharded_dim=1, dropout="closes"
+        lambda: OwnedRowwise(input_layouts=Replicate(), use_local_output=True), sharded_dim=1, dropout="closes"
     ),
     # nn.Embedding sharded on the vocabulary; each rank looks up its rows, the sum is all-reduced: the output it
     # hands on is replicated, and its input is token ids, never a sharded activation (neutral).

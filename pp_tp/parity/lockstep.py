@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from pp_tp.base.forward import without_cache
 from pp_tp.base.tensors import full_tensor, persistent_buffers
 from pp_tp.parallel.grads import clip_grad_norm_
 from pp_tp.parallel.mesh import dp_rank, dp_size
@@ -54,7 +55,7 @@ def floor_for(dtype: torch.dtype) -> float:
 
 def mean_token_loss(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The model's own forward and the mean cross-entropy over non-ignored labels: what `Pipeline.step` equals."""
-    out = model(ids)
+    out = model(ids, **without_cache(model))
     logits = out.logits if hasattr(out, "logits") else out
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float64 stays float64
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)

@@ -113,8 +113,11 @@ def check_layout_holds_all(model: nn.Module, layout: ModelLayout) -> None:
         *layout.after_embed_modules, *layout.before_norm_modules,
     ]  # fmt: skip
     placed = [p for p in placed if p]
-    for name, _ in model.named_parameters():
-        if not any(name == p or name.startswith(p + ".") for p in placed):
+    names: dict[int, list[str]] = {}  # a tied parameter (BERT-generation's lm_head.bias) is placed under any name
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    for name, *aliases in names.values():
+        if not any(n == p or n.startswith(p + ".") for n in (name, *aliases) for p in placed):
             raise ConfigError(
                 f"model {type(model).__name__}: parameter {name!r} lies outside every module the {layout.name!r} "
                 "layout places on a stage, so it would not be trained or saved; pp_tp trains a decoder-only LM "

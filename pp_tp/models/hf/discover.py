@@ -3,20 +3,22 @@
 transformers declares no pipeline plan for most of its causal LMs (GPT-2's `wte`/`wpe`/`h`/`ln_f`, OPT's
 `decoder.layers`), though their structure is embedding -> blocks -> norm under other names. Names alone prove
 nothing, so the family's own forward runs once on a small copy of its config (the self-check's: seeded, CPU, fp32)
-with a hook on every child of the module holding the input embedding and on every element of its layer lists; the
-calls it records are the structure: the layers are the one `ModuleList` whose elements run once each, in order, and
-nothing else in between; what runs before them is the embedding first, then modules on the hidden state (dropout,
-norms) and learned position embeddings (called with position ids, added); after them, parameterless modules and
-one final norm. Every argument the forward hands a layer must be one pp_tp's block context supplies (mask, positions,
-rotary tables) or empty: ALiBi tensors and the like are refused by name. Anything else is refused in one line; what
-is accepted is still proven equal to the family's own forward by the self-check. Deterministic and cached per
-(class, small config), so every rank reaches the same structure.
+with a hook on every child of the module holding the input embedding and the layers, through wrappers (BERT's
+`embeddings`, `encoder`), and on every element of its layer lists; the calls it records are the structure: the layers
+are the one `ModuleList` whose elements run once each, in order, and nothing else in between; what runs before them
+is the embedding first, then modules on the hidden state (dropout, norms) and learned position embeddings (called
+with position ids or the ids, added); after them, parameterless modules and at most one final norm (none: GPT-1).
+Every argument the forward hands a layer must be one pp_tp's block context supplies (mask, positions, rotary tables),
+empty, or a tensor proven to depend on the microbatch's shape only (ALiBi biases), which the family's own code then
+computes per microbatch (`ComputedInputs`). Anything else is refused in one line; what is accepted is still proven
+equal to the family's own forward by the self-check. Deterministic and cached per (class, small config), so every
+rank reaches the same structure.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-import inspect
 from typing import Any
 
 import torch
@@ -24,14 +26,14 @@ from torch import nn
 
 from pp_tp.errors import ConfigError
 from pp_tp.models.hf.self_check import small_config
+from pp_tp.models.hf.trace import SEQ, Call, bound_arguments, seeded_copy, trace
 
 # What pp_tp's block context hands a layer (pp_tp/models/hf/layout.py:BlockContext.call); any other argument the
 # family's forward passes a layer must be None or False.
 SUPPLIED = frozenset({"attention_mask", "position_ids", "position_embeddings", "use_cache", "cache", "past_key_values"})
-_ROWS, _SEQ = 2, 6
 
-# A position call's argument: ("positions", None) position ids, ("ones", dtype) an all-ones [B, S] mask, ("value", v)
-# a Python constant.
+# A position call's argument: ("positions", None) position ids, ("ids", None) the input ids (a module finding the
+# positions from their shape: TrOCR's), ("ones", dtype) an all-ones [B, S] mask, ("value", v) a Python constant.
 Role = tuple[str, Any]
 
 
@@ -58,10 +60,17 @@ class PpPlan:
     base: str = ""
     steps: tuple[Step, ...] = ()
     block_kwargs: frozenset[str] = frozenset()
+    computed: frozenset[str] = frozenset()  # layer arguments computed by the family's own code (ComputedInputs)
+    mask_dtype: torch.dtype | None = None  # the dtype of the mask the forward hands its layers (MPT's bool)
 
     @property
     def adds_positions(self) -> bool:
         return any(s.args is not None for s in self.steps)
+
+    @property
+    def positions_from_ids(self) -> bool:
+        """A position step given the ids, not position ids: packed documents' positions cannot reach it."""
+        return any(("ids", None) in (*(s.args or ()), *(r for _, r in s.kwargs)) for s in self.steps)
 
 
 def _refuse(model: nn.Module, why: str) -> ConfigError:
@@ -77,35 +86,6 @@ def embedding_parent(model: nn.Module) -> str:
     return name.rpartition(".")[0]
 
 
-@dataclasses.dataclass
-class _Call:
-    name: str
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    out: Any
-
-
-def _trace(model: nn.Module, base: nn.Module, ids: torch.Tensor) -> list[_Call]:
-    """The calls of `base`'s children and of their layer lists' elements, in order, on one forward of `model`."""
-    calls: list[_Call] = []
-    handles = []
-    targets = []
-    for name, child in base.named_children():
-        targets.append((name, child))
-        if isinstance(child, nn.ModuleList):
-            targets += [(f"{name}.{i}", m) for i, m in enumerate(child)]
-    for name, module in targets:
-        hook = lambda m, a, k, o, name=name: calls.append(_Call(name, a, k, o))  # noqa: E731
-        handles.append(module.register_forward_hook(hook, with_kwargs=True))
-    try:
-        with torch.no_grad():
-            model(input_ids=ids, use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    return calls
-
-
 def _is_ids(args: tuple[Any, ...], ids: torch.Tensor) -> bool:
     """Whether the call's first argument is the input ids (the forward may have reshaped them)."""
     return bool(args) and isinstance(args[0], torch.Tensor) and args[0].shape == ids.shape and torch.equal(args[0], ids)
@@ -115,94 +95,215 @@ def _role(value: Any, ids: torch.Tensor) -> Role | None:
     """What a position embedding's argument is, or None when pp_tp cannot rebuild it per microbatch."""
     if not isinstance(value, torch.Tensor):
         return ("value", value) if value is None or isinstance(value, (bool, int, float)) else None
-    if value.dim() != 2 or value.shape[-1] != _SEQ or _is_ids((value,), ids):
+    if _is_ids((value,), ids):
+        return ("ids", None)
+    if value.dim() != 2 or value.shape[-1] != SEQ:
         return None
-    if torch.equal(value.long(), torch.arange(_SEQ).expand_as(value)) and not value.is_floating_point():
+    if torch.equal(value.long(), torch.arange(SEQ).expand_as(value)) and not value.is_floating_point():
         return ("positions", None)
     if value.shape == ids.shape and bool((value == 1).all()):
         return ("ones", value.dtype)
     return None
 
 
-def _step(model: nn.Module, base: nn.Module, call: _Call, ids: torch.Tensor) -> Step | None:
-    """The pre-layer call as a Step; None for a parameterless module returning a tuple (rotary tables: shared)."""
-    module = base.get_submodule(call.name)
-    weighted = any(True for _ in module.parameters())
-    if isinstance(call.out, (tuple, list)) and not weighted:
+def _shared(base: nn.Module, call: Call) -> bool:
+    """A parameterless module returning a tuple: rotary tables, which every stage holds and the block context calls
+    per microbatch (once per layer type where the family has several), so the forward may call it more than once."""
+    return isinstance(call.out, (tuple, list)) and not any(True for _ in base.get_submodule(call.name).parameters())
+
+
+def _step(model: nn.Module, base: nn.Module, call: Call, ids: torch.Tensor) -> Step | None:
+    """The pre-layer call as a Step; None for shared rotary tables."""
+    if _shared(base, call):
         return None
     first = call.args[0] if call.args else None
     hidden = isinstance(first, torch.Tensor) and first.is_floating_point() and first.dim() == 3
     if hidden and first.shape[:2] == ids.shape and len(call.args) == 1 and not call.kwargs:
         return Step(call.name)
     out = call.out
-    if not hidden and isinstance(out, torch.Tensor) and out.is_floating_point() and out.shape[-2] == _SEQ:
+    if not hidden and isinstance(out, torch.Tensor) and out.is_floating_point() and out.shape[-2] == SEQ:
         args = tuple(_role(a, ids) for a in call.args)
         kwargs = tuple((k, _role(v, ids)) for k, v in call.kwargs.items())
         roles = [*args, *(r for _, r in kwargs)]
-        if ("positions", None) in roles and None not in roles:
+        if (("positions", None) in roles or ("ids", None) in roles) and None not in roles:
             return Step(call.name, args, kwargs)  # type: ignore[arg-type]
     raise _refuse(model, f"its forward calls {call.name} before its layers in a way pp_tp cannot rebuild")
 
 
-def _layer_kwargs(model: nn.Module, block: nn.Module, call: _Call) -> frozenset[str]:
-    """Keywords the forward passes a layer through its `**kwargs` that pp_tp supplies; refuses any other non-empty
-    argument (ALiBi, position biases) by name."""
-    signature = inspect.signature(block.forward)
-    bound = signature.bind(*call.args, **call.kwargs).arguments
-    passed: dict[str, Any] = {}
-    via_kwargs: set[str] = set()
-    for name, value in bound.items():
-        if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
-            passed.update(value)
-            via_kwargs.update(value)
-        else:
-            passed[name] = value
-    first = next(iter(bound))
+def _layer_kwargs(model: nn.Module, block: nn.Module, call: Call) -> tuple[frozenset[str], dict[str, torch.Tensor]]:
+    """Keywords the forward passes a layer through its `**kwargs` that pp_tp supplies, and the tensors it passes
+    that pp_tp does not (ALiBi biases: `_prove_shape_only` then decides); refuses any other non-empty argument."""
+    passed, via_kwargs = bound_arguments(block, call.args, call.kwargs)
+    computed = {}
     for key, value in passed.items():
-        if key != first and key not in SUPPLIED and value is not None and value is not False:
+        if key in SUPPLIED or value is None or value is False:
+            continue
+        if not isinstance(value, torch.Tensor):
             raise _refuse(model, f"its forward hands its layers {key!r}, which pp_tp does not compute")
-    return frozenset(via_kwargs & SUPPLIED)
+        computed[key] = value
+    return frozenset(via_kwargs & SUPPLIED), computed
 
 
-def _analyse(model: nn.Module, base: nn.Module, calls: list[_Call], ids: torch.Tensor) -> PpPlan:
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(a[k].shape == b[k].shape and torch.equal(a[k], b[k]) for k in a)
+
+
+class _Reached(Exception):
+    """Raised by the first layer's pre-hook: its arguments are known, the rest of the forward is not needed."""
+
+    def __init__(self, passed: dict[str, Any]):
+        super().__init__()
+        self.passed = passed
+
+
+def first_layer_inputs(model: nn.Module, plan: PpPlan, ids: torch.Tensor) -> dict[str, Any]:
+    """The arguments `model`'s own forward hands its first layer for `ids`, by name; the forward stops there."""
+    layer = model.get_submodule(f"{plan.base}.{plan.blocks}")[0]
+
+    def stop(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        raise _Reached(bound_arguments(module, args, kwargs)[0])
+
+    handle = layer.register_forward_pre_hook(stop, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False)
+    except _Reached as reached:
+        return reached.passed
+    finally:
+        handle.remove()
+    raise _refuse(model, f"its forward does not reach {plan.base}.{plan.blocks}.0")
+
+
+def stand_in_config(small: Any, heads: int, kv_heads: int | None) -> Any:
+    """`small` with `heads` attention heads (`kv_heads` KV heads) of 4 channels each: a copy whose forward computes
+    the layer arguments of `computed` for a model of that many heads at almost no cost."""
+    config = copy.deepcopy(small)
+    config.num_attention_heads = heads
+    if getattr(config, "num_key_value_heads", None) is not None and kv_heads is not None:
+        config.num_key_value_heads = kv_heads
+    config.hidden_size = 4 * heads
+    if getattr(config, "head_dim", None) is not None:
+        config.head_dim = 4
+    return config
+
+
+def _prove_shape_only(model: nn.Module, small: Any, plan: PpPlan, ids: torch.Tensor) -> None:
+    """Refuses unless each computed layer argument (ALiBi biases) depends on the microbatch's shape only: equal on
+    another copy of other weights and head width, for other token ids of the same shape, in training mode (so no
+    dropout of the config's touches it)."""
+    want = first_layer_inputs(model, plan, ids)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(1)
+            heads, kv_heads = small.num_attention_heads, getattr(small, "num_key_value_heads", None)
+            other = type(model)(stand_in_config(small, heads, kv_heads))
+            other = other.to(torch.float32).train()
+            other_ids = torch.randint(0, small.vocab_size, ids.shape, generator=torch.Generator().manual_seed(1))
+            got = first_layer_inputs(other, dataclasses.replace(plan, base=discovery_base(other)), other_ids)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a copy of other widths that does not run proves nothing: refused
+        got = {"": e}
+    for key in sorted(plan.computed):
+        if not (isinstance(got.get(key), torch.Tensor) and _same({key: got[key]}, {key: want[key]})):
+            raise _refuse(
+                model, f"its forward hands its layers {key!r}, which depends on more than the microbatch's shape"
+            )
+
+
+class ComputedInputs:
+    """The layer arguments a family's forward computes from the microbatch's shape alone (ALiBi biases: BLOOM's
+    `alibi`, MPT's `position_bias`), by the family's own code: a stand-in of the model's head count and 4-channel
+    heads (`stand_in_config`) runs its forward up to its first layer, per microbatch shape and dtype (cached)."""
+
+    def __init__(self, model: nn.Module, plan: PpPlan):
+        c = model.config
+        self.cls, self.plan = type(model), plan
+        self._models: dict[torch.dtype, nn.Module] = {}
+        self._values: dict[tuple[Any, ...], dict[str, torch.Tensor]] = {}
+        try:  # run once here, so a stand-in that cannot run is refused before any collective, not inside a step
+            self.config = stand_in_config(
+                small_config(c), c.num_attention_heads, getattr(c, "num_key_value_heads", None)
+            )
+            self(torch.zeros(1, 2, 1))
+        except Exception as e:  # noqa: BLE001
+            why = f"its layers' {sorted(plan.computed)} cannot be computed for its head count ({type(e).__name__})"
+            raise _refuse(model, why) from None
+
+    def __call__(self, h: torch.Tensor) -> dict[str, torch.Tensor]:
+        key = (h.shape[0], h.shape[1], h.dtype, h.device)
+        if key not in self._values:
+            if h.dtype not in self._models:
+                with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+                    torch.manual_seed(0)
+                    stand_in = self.cls(self.config).to(h.dtype).eval()
+                self._models[h.dtype] = stand_in
+            stand_in = self._models[h.dtype]
+            plan = dataclasses.replace(self.plan, base=discovery_base(stand_in))
+            ids = torch.zeros(h.shape[:2], dtype=torch.long)
+            passed = first_layer_inputs(stand_in, plan, ids)
+            self._values[key] = {k: passed[k].to(h.device) for k in self.plan.computed}
+        return self._values[key]
+
+
+def _analyse(model: nn.Module, base: nn.Module, calls: list[Call], ids: torch.Tensor) -> PpPlan:
     """The structure the recorded calls show, or a one-line refusal."""
-    lists = {c.name.rpartition(".")[0] for c in calls if "." in c.name}
+    wrappers = [c.name for c in calls if c.kind == "wrapper"]
+    if len(set(wrappers)) != len(wrappers):
+        raise _refuse(model, f"its forward calls {max(set(wrappers), key=wrappers.count)} more than once")
+    calls = [c for c in calls if c.kind != "wrapper"]
+    lists = {c.name.rpartition(".")[0] for c in calls if c.kind == "layer"}
     if len(lists) != 1:
         raise _refuse(model, f"its forward runs {len(lists)} layer lists, not one, between embedding and norm")
     blocks = lists.pop()
-    at = [i for i, c in enumerate(calls) if c.name.startswith(blocks + ".")]
+    at = [i for i, c in enumerate(calls) if c.kind == "layer"]
     want = [f"{blocks}.{i}" for i in range(len(base.get_submodule(blocks)))]
     if [calls[i].name for i in at] != want or at != list(range(at[0], at[0] + len(at))):
         raise _refuse(model, f"its forward does not run {blocks}'s layers once each, in order, one after another")
+    found = [_layer_kwargs(model, base.get_submodule(calls[i].name), calls[i]) for i in at]
+    if any(not _same(computed, found[0][1]) for _, computed in found):
+        raise _refuse(model, f"its forward hands its layers different {sorted(found[0][1])} (pp_tp computes one set)")
+    block_kwargs = frozenset().union(*(supplied for supplied, _ in found))
+    mask = bound_arguments(base.get_submodule(calls[at[0]].name), calls[at[0]].args, calls[at[0]].kwargs)[0].get(
+        "attention_mask"
+    )
     pre, post = calls[: at[0]], calls[at[-1] + 1 :]
-    names = [c.name for c in pre + post]
+    names = [c.name for c in pre + post if not _shared(base, c)]
     if len(set(names)) != len(names):
         raise _refuse(model, f"its forward calls {max(set(names), key=names.count)} more than once")
-    embed = _embed_name(model, base)
+    embed = embed_name(model, base)
     if not pre or pre[0].name != embed or not _is_ids(pre[0].args, ids):
         raise _refuse(model, f"its forward does not start with its input embedding {embed}")
-    if not post:
-        raise _refuse(model, "its forward runs no final norm after its layers")
     if any(any(True for _ in base.get_submodule(c.name).parameters()) for c in post[:-1]):
         raise _refuse(model, f"its forward runs {[c.name for c in post]} after its layers; pp_tp runs one final norm")
     steps = tuple(s for c in pre[1:] if (s := _step(model, base, c, ids)) is not None)
+    # No module after the layers: the family has no final norm (GPT-1, post-norm BERT layers), an identity one.
     return PpPlan(
         embed,
         tuple(s.name for s in steps),
         blocks,
         tuple(c.name for c in post[:-1]),
-        post[-1].name,
+        post[-1].name if post else "",
         steps=steps,
-        block_kwargs=frozenset().union(
-            *(_layer_kwargs(model, base.get_submodule(calls[i].name), calls[i]) for i in at)
-        ),
+        block_kwargs=block_kwargs,
+        computed=frozenset(found[0][1]),
+        mask_dtype=mask.dtype if isinstance(mask, torch.Tensor) else None,
     )
 
 
-def _embed_name(model: nn.Module, base: nn.Module) -> str:
+def embed_name(model: nn.Module, base: nn.Module) -> str:
     """The input embedding's name inside `base`."""
     emb = model.get_input_embeddings()
-    return next((n for n, m in base.named_children() if m is emb), "")
+    return next((n for n, m in base.named_modules() if m is emb), "")
+
+
+def discovery_base(model: nn.Module) -> str:
+    """Model-relative name of the module the trace starts from: the one holding the input embedding, or, where
+    that holds no layer list (BERT's `embeddings`), the nearest module above it that does."""
+    name = embedding_parent(model)
+    while "." in name and not any(isinstance(m, nn.ModuleList) for m in model.get_submodule(name).modules()):
+        name = name.rpartition(".")[0]
+    return name
 
 
 _FOUND: dict[tuple[type, str], PpPlan | str] = {}
@@ -212,7 +313,7 @@ def discover(model: nn.Module) -> PpPlan:
     """The structure of `model`'s family from one traced forward of a small copy (cached); refused in one line
     where the calls do not show embedding -> layers -> norm."""
     small = small_config(model.config)
-    key = (type(model), small.to_json_string(use_diff=False))
+    key = (type(model), small.to_json_string(use_diff=False))  # the attention implementation included
     if key not in _FOUND:
         try:
             _FOUND[key] = _discover(type(model), small)
@@ -221,20 +322,20 @@ def discover(model: nn.Module) -> PpPlan:
     found = _FOUND[key]
     if isinstance(found, str):
         raise ConfigError(found)
-    return dataclasses.replace(found, base=embedding_parent(model))
+    return dataclasses.replace(found, base=discovery_base(model))
 
 
 def _discover(cls: type, small: Any) -> PpPlan:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = cls(small).to(torch.float32).eval()
-    base = model.get_submodule(embedding_parent(model))
-    ids = torch.randint(0, small.vocab_size, (_ROWS, _SEQ), generator=torch.Generator().manual_seed(0))
+    model, ids = seeded_copy(cls, small)
+    base = model.get_submodule(discovery_base(model))
     try:
-        calls = _trace(model, base, ids)
+        calls = trace(model, base, ids)
     except Exception as e:  # noqa: BLE001 - a family whose small copy does not run cannot be traced: refused
         raise _refuse(model, f"its 2-layer copy did not run ({type(e).__name__}: {str(e)[:120]})") from None
-    return _analyse(model, base, calls, ids)
+    plan = dataclasses.replace(_analyse(model, base, calls, ids), base=discovery_base(model))
+    if plan.computed:
+        _prove_shape_only(model, small, plan, ids)
+    return plan
 
 
 class EmbedCall:
@@ -248,6 +349,8 @@ class EmbedCall:
         kind, value = role
         if kind == "positions":
             return positions
+        if kind == "ids":
+            return ids
         return torch.ones(ids.shape, dtype=value, device=ids.device) if kind == "ones" else value
 
     def __call__(self, stage: nn.Module, ids: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:

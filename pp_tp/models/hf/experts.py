@@ -1,58 +1,170 @@
 """A Hugging Face MoE's experts record (`ExpertsSpec`), read once off what the family declares.
 
-The experts modules come from the config's `base_model_ep_plan` (`ep_dispatch_experts`), TP of experts from its
-`base_model_tp_plan` (pp_tp.models.hf.tp_plan), the packed weights' storage from the attributes transformers'
-`use_experts_implementation` gives the module (`is_transposed`, `is_concatenated`, `has_bias`, `has_gate`,
-`has_post_expert_norm`), top-k from `num_experts_per_tok`, routers from a probe (pp_tp.models.hf.routers) and expert
-biases from the blocks' `e_score_correction_bias` buffers (DeepSeek-V3 and the families built like it).
+The experts modules come from the config's `base_model_ep_plan` (`ep_dispatch_experts`) or its TP plan's
+`moe_tp_experts` rules (pp_tp.models.hf.tp_plan.block_experts), TP of experts from its `base_model_tp_plan`, top-k from
+`num_experts_per_tok`, routers from a probe (pp_tp.models.hf.routers) and expert biases from the blocks'
+`e_score_correction_bias` buffers (DeepSeek-V3 and the families built like it).
+The packed weights' storage comes from the attributes transformers' `use_experts_implementation` gives the module
+(`is_transposed`, `is_concatenated`, `has_bias`, `has_gate`, `has_post_expert_norm`); a module without them (Llama 4's
+[E, D, 2F] gate/up) gets the storage a probe proves: on a CPU copy built from the small config, random weights, the
+sum of its forward over the two TP shards that storage implies equals its whole forward. Its calling convention is
+transformers' routed one, or dense (`ExpertsSpec.dense`) for a one-argument forward a probe proves reads E equal
+contiguous row blocks, block e through expert e's weights alone.
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
+
+import torch
 from torch import nn
 
+from pp_tp.base._torch import swap_parameters
 from pp_tp.layout import ExpertsSpec, PackedSwiGLU
 from pp_tp.models.hf.routers import block_routers
+from pp_tp.models.hf.self_check import small_config
 from pp_tp.models.hf.tp_plan import block_experts
 from pp_tp.parallel.tensor_parallel import matches_rule
 
 _BIAS = "e_score_correction_bias"
 _GATE_UP, _DOWN = "gate_up_proj", "down_proj"
+_ROWS = 4  # probe rows per expert
+_PROBES: dict[tuple[type, str], tuple[bool, PackedSwiGLU | None]] = {}
 
 
 def experts_spec(model: nn.Module, blocks_key: str, blocks: list[nn.Module]) -> ExpertsSpec | None:
     """The model's experts record, or None when it declares no experts modules its blocks hold."""
-    modules, tp_declared = block_experts(model, blocks_key)
+    modules, tp_form = block_experts(model, blocks_key)
     found = [m for b in blocks for n, m in b.named_modules() if n and any(matches_rule(r, n) for r in modules)]
     if not found:
         return None
     module = found[0]
-    weights = _packed(module)
+    dense, weights = _probed(module, model.config)
     return ExpertsSpec(
         modules=modules,
         n_experts=next(iter(module.parameters())).shape[0],  # transformers keeps the expert on dim 0
         top_k=getattr(model.config, "num_experts_per_tok", None),
+        dense=dense,
         weights=weights,
-        # TP of experts splits plain packed SwiGLU only: no norm after each expert
-        tp=tp_declared and weights is not None and not getattr(module, "has_post_expert_norm", False),
+        # TP of experts splits plain packed SwiGLU only, stored as the declared rules name it, no norm after each expert
+        tp=tp_form is not None
+        and weights is not None
+        and (weights.gate_up_dim == 2) == tp_form
+        and not getattr(module, "has_post_expert_norm", False),
         count_attr="num_experts" if "num_experts" in vars(module) else None,  # transformers' kernels size bins by it
         routers=block_routers(model, blocks),
         bias=tuple(sorted({n for b in blocks for n, _ in b.named_buffers() if n.rpartition(".")[2] == _BIAS})),
     )
 
 
-def _packed(module: nn.Module) -> PackedSwiGLU | None:
-    """transformers' packed gate/up and down weights as this module stores them; None without a packed gate."""
+def _declared(module: nn.Module) -> bool:
+    return hasattr(module, "is_transposed")  # set by transformers' use_experts_implementation
+
+
+def _candidates(module: nn.Module) -> list[PackedSwiGLU]:
+    """The packings `module` may store: the one transformers declares on it, else every plain one to probe."""
     params = dict(module.named_parameters(recurse=False))
     if not getattr(module, "has_gate", True) or _GATE_UP not in params or _DOWN not in params:
-        return None
-    transposed, bias = getattr(module, "is_transposed", False), getattr(module, "has_bias", False)
-    return PackedSwiGLU(
-        gate_up=_GATE_UP,
-        down=_DOWN,
-        gate_up_dim=2 if transposed else 1,
-        down_dim=1 if transposed else 2,
-        concatenated=getattr(module, "is_concatenated", True),
-        gate_up_bias=f"{_GATE_UP}_bias" if bias else None,
-        down_bias=f"{_DOWN}_bias" if bias else None,
+        return []
+    bias = getattr(module, "has_bias", False)
+    forms = (
+        [(module.is_transposed, getattr(module, "is_concatenated", True))]
+        if _declared(module)
+        else [(t, c) for t in (False, True) for c in (True, False)]
     )
+    return [
+        PackedSwiGLU(
+            gate_up=_GATE_UP,
+            down=_DOWN,
+            gate_up_dim=2 if transposed else 1,
+            down_dim=1 if transposed else 2,
+            concatenated=concatenated,
+            gate_up_bias=f"{_GATE_UP}_bias" if bias else None,
+            down_bias=f"{_DOWN}_bias" if bias else None,
+        )
+        for transposed, concatenated in forms
+    ]
+
+
+def _probed(module: nn.Module, config) -> tuple[bool, PackedSwiGLU | None]:
+    """(dense calling convention, packed weights or None), proven on a small CPU copy where not declared; cached."""
+    dense = len(inspect.signature(module.forward).parameters) == 1
+    candidates = _candidates(module)
+    if not dense and (_declared(module) or not candidates):
+        return False, candidates[0] if candidates else None
+    small = small_config(config)
+    key = (type(module), small.to_json_string(use_diff=False))
+    if key not in _PROBES:
+        _PROBES[key] = _probe(type(module), small, dense, candidates)
+    return _PROBES[key]
+
+
+@torch.no_grad()
+def _probe(cls: type, config, dense: bool, candidates: list[PackedSwiGLU]) -> tuple[bool, PackedSwiGLU | None]:
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            module = cls(config).to(torch.float32)
+            for p in module.parameters():
+                p.normal_(0.0, 0.5)
+            params = dict(module.named_parameters(recurse=False))
+            n = next(iter(params.values())).shape[0]
+            width = config.hidden_size
+            if dense:
+                x = torch.randn(n * _ROWS, width)
+                call: Callable[[], torch.Tensor] = lambda: module(x)  # noqa: E731
+                dense = _blocks_per_expert(module, params, n, x)
+            else:
+                index, ones = torch.randint(0, n, (n * _ROWS, 1)), torch.ones(n * _ROWS, 1)
+                x = torch.randn(n * _ROWS, width)
+                call = lambda: module(x, index, ones)  # noqa: E731
+            whole = call()
+            weights = next((w for w in candidates if _splits_exactly(module, params, w, call, whole)), None)
+            return dense, weights
+    except Exception:  # noqa: BLE001 - a module the probe cannot run is not proven
+        return False, None
+
+
+def _blocks_per_expert(module: nn.Module, params: dict[str, nn.Parameter], n: int, x: torch.Tensor) -> bool:
+    """Whether the one-argument forward runs row block e through expert e's weights alone (the dense convention)."""
+    whole = module(x)
+    parts = []
+    for e, rows in enumerate(x.chunk(n)):
+        saved = swap_parameters(module, {k: p[e : e + 1] for k, p in params.items()})
+        try:
+            parts.append(module(rows))
+        finally:
+            swap_parameters(module, saved)
+    return whole.shape == x.shape and torch.allclose(whole, torch.cat(parts), rtol=1e-5, atol=1e-5)
+
+
+def _splits_exactly(
+    module: nn.Module, params: dict[str, nn.Parameter], w: PackedSwiGLU, call: Callable[[], torch.Tensor], whole
+) -> bool:
+    """Whether the forward on TP shard 0 plus the forward on shard 1 of packing `w` (what pp_tp.parallel.experts
+    places: gate/up per part or by contiguous pairs, down on its input dim, down's bias on shard 0) is the whole."""
+    if set(params) != set(w.names):
+        return False
+    total = torch.zeros_like(whole)
+    for rank in range(2):
+        local = {}
+        for name, p in params.items():
+            dim = w.gate_up_dim if name == w.gate_up else w.down_dim if name == w.down else p.dim() - 1
+            if name == w.down_bias:
+                local[name] = p if rank == 0 else torch.zeros_like(p)
+            elif name in (w.gate_up, w.gate_up_bias) and w.concatenated:
+                local[name] = torch.cat([half.chunk(2, dim)[rank] for half in p.chunk(2, dim)], dim)
+            else:
+                local[name] = p.chunk(2, dim)[rank]
+        saved = swap_parameters(module, local)
+        try:
+            part = call()
+        except RuntimeError:  # shapes this packing implies that the forward cannot take: not its packing
+            return False
+        finally:
+            swap_parameters(module, saved)
+        if part.shape != total.shape:
+            return False
+        total += part
+    return bool(torch.allclose(total, whole, rtol=1e-4, atol=1e-5))

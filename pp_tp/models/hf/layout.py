@@ -4,8 +4,9 @@ The embedding, blocks and final norm come from the config's `base_model_pp_plan`
 `base_model_prefix`, or, for a family declaring none, from its own forward (discover.py); the head is
 `get_output_embeddings()`. Blocks are called the way the model's own
 forward calls them: masks built per microbatch by transformers' own mask functions (causal or sliding
-window, per layer type), position ids, and rotary embeddings from the model's rotary module (per layer
-type where it has several); with packed documents' position ids, transformers' packed-sequence masks. What
+window, per layer type), position ids, rotary embeddings from the model's rotary module (per layer
+type where it has several), and what the family's forward computes from the batch's shape alone (ALiBi biases, by
+its own code: discover.ComputedInputs); with packed documents' position ids, transformers' packed-sequence masks. What
 the forward does outside its modules (embedding multipliers, logit scaling, final softcapping) is carried into
 the first and last stage. `self_check` then proves the composition equal to the model's own forward on a
 small copy, or refuses the family in one line.
@@ -21,23 +22,24 @@ import sys
 import textwrap
 from typing import Any
 
-import torch
 from torch import nn
 
 from pp_tp.errors import ConfigError
 from pp_tp.layout import ModelDims, ModelLayout
 from pp_tp.models.hf import hyper
+from pp_tp.models.hf.block_context import BlockContext
 from pp_tp.models.hf.buffers import init_buffers
-from pp_tp.models.hf.discover import EmbedCall, PpPlan, discover, embedding_parent
+from pp_tp.models.hf.discover import ComputedInputs, EmbedCall, PpPlan, discover, embedding_parent
 from pp_tp.models.hf.experts import experts_spec
 from pp_tp.models.hf.extras import after_embed, after_head
-from pp_tp.models.hf.mixers import LayerMasks
+from pp_tp.models.hf.handed import handed
 from pp_tp.models.hf.randomness import check_randomness
 from pp_tp.models.hf.self_check import self_check
 from pp_tp.models.hf.tp_plan import block_tp_plan
 from pp_tp.parallel.tensor_parallel import rules_present
 
 FULL, SLIDING = "full_attention", "sliding_attention"
+NO_LIMIT = 1 << 20  # max_seq_len of a family declaring no position limit
 
 
 def is_hf_model(model: nn.Module) -> bool:
@@ -63,6 +65,13 @@ def _pp_plan(model: nn.Module) -> PpPlan:
     prefix = prefix if isinstance(getattr(model, prefix, None), nn.Module) else embedding_parent(model)
     base = model.get_submodule(prefix)
     names = list(plan)
+    missing = [n for n in names if not isinstance(_submodule(base, n), nn.Module)]
+    if missing:
+        raise _refuse(
+            model,
+            f"its base_model_pp_plan names {missing[0]!r}, which {type(base).__name__} does not have (its forward "
+            "runs other modules); register a layout for it",
+        )
     firsts = {n: inputs[0] if inputs else None for n, (inputs, _) in plan.items()}
     weighted = [n for n in names[1:-1] if any(True for _ in base.get_submodule(n).parameters())]
     if (
@@ -79,6 +88,13 @@ def _pp_plan(model: nn.Module) -> PpPlan:
     embed, blocks, norm = names[0], weighted[0], names[-1]
     at = names.index(blocks)
     return PpPlan(embed, tuple(names[1:at]), blocks, tuple(names[at + 1 : -1]), norm, base=prefix)
+
+
+def _submodule(base: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return base.get_submodule(name)
+    except AttributeError:
+        return None
 
 
 def _standard_plan(model: nn.Module) -> PpPlan | None:
@@ -103,7 +119,10 @@ def _module_name(model: nn.Module, module: nn.Module | None, what: str) -> str:
 
 def _layer_types(model: nn.Module, n_layers: int) -> list[str]:
     """Each layer's type, as the model's forward picks its mask (mixers.LayerMasks refuses one it cannot)."""
-    config = model.config
+    return _layer_types_of(model.config, n_layers)
+
+
+def _layer_types_of(config: Any, n_layers: int) -> list[str]:
     types = getattr(config, "layer_types", None)
     if types is not None:
         return list(types[:n_layers])
@@ -120,7 +139,8 @@ def _dims(model: nn.Module) -> ModelDims:
     def shared(read: Any) -> int:
         return math.gcd(*(read(layer) or 0 for layer in layers))
 
-    heads = shared(lambda layer: layer.num_attention_heads)
+    # A family without attention (Mamba, RWKV): its mixer's head count (Mamba2's num_heads), else one head.
+    heads = shared(lambda layer: getattr(layer, "num_attention_heads", None) or getattr(layer, "num_heads", None) or 1)
     tied = model.get_input_embeddings().weight is model.get_output_embeddings().weight
     return ModelDims(
         c.num_hidden_layers,
@@ -129,64 +149,17 @@ def _dims(model: nn.Module) -> ModelDims:
         shared(lambda layer: getattr(layer, "num_key_value_heads", None)) or heads,
         shared(lambda layer: getattr(layer, "intermediate_size", None)) or 4 * c.hidden_size,
         c.vocab_size,
-        c.max_position_embeddings,
+        _max_positions(c),
         tied,
         head_dim=shared(lambda layer: getattr(layer, "head_dim", None)),
         streams=hyper.streams(c) or 1,
     )
 
 
-class BlockContext:
-    """What every block of one microbatch needs besides the hidden state: masks and rotary embeddings."""
-
-    def __init__(self, model: nn.Module, rotary: str | None, layer_types: dict[int, str], block_kwargs: set[str]):
-        self.config = model.config
-        self.rotary = rotary
-        self.layer_types = layer_types  # id(block) -> layer type
-        self.masks = LayerMasks(model, layer_types.values())
-        self.block_kwargs = block_kwargs
-        self.per_type_rotary = (
-            rotary is not None and "layer_type" in inspect.signature(model.get_submodule(rotary).forward).parameters
-        )
-        # A rotary keyed by table names of its own, not by layer types (DeepSeek-V4's 'main' / 'compress'): the
-        # forward hands every layer all its tables.
-        own = getattr(model.get_submodule(rotary), "layer_types", None) if self.per_type_rotary else None
-        self.all_tables = tuple(own) if own and not set(layer_types.values()) <= set(own) else ()
-
-    def inputs(self, stage: nn.Module, h: torch.Tensor) -> tuple[Any, ...]:
-        """Masks by attention type, position ids and position embeddings for this microbatch."""
-        return self.document_inputs(stage, h, torch.arange(h.shape[1], device=h.device).unsqueeze(0))
-
-    def document_inputs(self, stage: nn.Module, h: torch.Tensor, position_ids: torch.Tensor) -> tuple[Any, ...]:
-        """The same for given per-token position ids: where they restart (packed documents), transformers' own
-        mask functions keep attention inside each document (sliding windows included)."""
-        types = set(self.layer_types.values())
-        masks = self.masks.build(self.config, h, position_ids)
-        embeddings: Any = None
-        if self.rotary is not None:
-            rotary = stage.get_submodule(self.rotary)
-            if self.per_type_rotary:
-                embeddings = {t: rotary(h, position_ids, t) for t in self.all_tables or types}
-            else:
-                embeddings = rotary(h, position_ids)
-        return position_ids, masks, embeddings
-
-    def call(self, block: nn.Module, h: torch.Tensor, extras: tuple[Any, ...]) -> torch.Tensor:
-        """One decoder layer, called with the keywords the model's own forward passes it."""
-        position_ids, masks, embeddings = extras
-        kind = self.layer_types[id(block)]
-        kwargs = {
-            "attention_mask": masks[kind],
-            "position_ids": position_ids,
-            "past_key_values": None,
-            "use_cache": False,
-            "shared_kv_states": {},  # Gemma 4 layers store their K/V for later ones; compose refuses any that reuse
-        }
-        if embeddings is not None:
-            per_layer = self.per_type_rotary and not self.all_tables
-            kwargs["position_embeddings"] = embeddings[kind] if per_layer else embeddings
-        out = block(h, **{k: v for k, v in kwargs.items() if k in self.block_kwargs})
-        return out[0] if isinstance(out, tuple) else out
+def _max_positions(config: Any) -> int:
+    """The longest sequence the model's positions cover; a family with none declared (ALiBi: BLOOM) has no limit
+    pp_tp knows of (MPT names its limit max_seq_len)."""
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "max_seq_len", None) or NO_LIMIT
 
 
 def _params(fn: Any) -> set[str]:
@@ -212,8 +185,7 @@ def specialize(model: nn.Module) -> ModelLayout:
     line where it cannot be."""
     layout = compose(model)
     self_check(model, compose)
-    check_randomness(model)
-    return layout
+    return check_randomness(model, layout)
 
 
 def compose(model: nn.Module) -> ModelLayout:
@@ -236,27 +208,33 @@ def compose(model: nn.Module) -> ModelLayout:
     blocks = list(base.get_submodule(blocks_key).children())
     _refuse_cross_layer_inputs(model, f"{prefix}.{blocks_key}", blocks)
     types = dict(zip((id(b) for b in blocks), _layer_types(model, len(blocks))))
-    block_kwargs = _params(blocks[0].forward) | pp_plan.block_kwargs
+    block_kwargs = _params(blocks[0].forward) | pp_plan.block_kwargs | pp_plan.computed
     context = {"attention_mask", "position_ids", "position_embeddings"}
     if not block_kwargs & context and _takes_var_keywords(blocks[0]):
         block_kwargs |= context  # a layer naming none of them hands its **kwargs on (DeepSeek-V4)
-    ctx = BlockContext(model, rotary, types, block_kwargs)
+    computed = ComputedInputs(model, pp_plan) if pp_plan.computed else None
+    ctx = BlockContext(model, rotary, types, block_kwargs, computed, pp_plan.mask_dtype)
+    found = handed(model, blocks_key) if prefix == embedding_parent(model) else None
+    if found is not None:
+        ctx.adopt(model, found, _layer_types_of(found.config, len(found.layers)))
+    pre = tuple(n for n in (found.pre if found is not None else ()) if n not in pp_plan.after_embed)
     attention = next((n for n, m in blocks[0].named_children() if "Attention" in type(m).__name__), "self_attn")
     tp_plan, tp_refusal = block_tp_plan(model, blocks_key, blocks)
     # The family's plan covers every config of it (dense layers, shared experts, ...): keep what this one has.
     tp_plan = rules_present(tp_plan, blocks)
-    tp_refusal = tp_refusal or _kernel_dropout(model)
+    tp_refusal = tp_refusal or _kernel_dropout(model) or _computed_refusal(model, pp_plan)
     return dataclasses.replace(
         HF,
         specialize=None,
         dims=_dims,
         embed=f"{prefix}.{embed_key}",
         blocks=f"{prefix}.{blocks_key}",
-        norm=f"{prefix}.{norm_key}",
+        norm=f"{prefix}.{norm_key}" if norm_key else "",  # "": no final norm (an identity one)
         head=head,
         shared=tuple(f"{prefix}.{name}" for name in extra),
         block_inputs=ctx.inputs,
-        document_block_inputs=ctx.document_inputs,
+        # Positions from the ids' shape, biases from the batch's shape: packed documents' positions reach neither.
+        document_block_inputs=None if pp_plan.positions_from_ids or pp_plan.computed else ctx.document_inputs,
         call_block=ctx.call,
         tp_plan=tp_plan,
         tp_refusal=tp_refusal,
@@ -266,19 +244,36 @@ def compose(model: nn.Module) -> ModelLayout:
         embed_call=EmbedCall(pp_plan, after_embed(model.config)) if pp_plan.adds_positions else None,
         after_head=after_head(model.config),
         static_block_inputs=True,  # masks and rotary tables from the microbatch's shape only (no padding mask)
-        after_embed_modules=tuple(f"{prefix}.{name}" for name in pp_plan.after_embed),
+        after_embed_modules=tuple(f"{prefix}.{name}" for name in (*pp_plan.after_embed, *pre)),
         before_norm_modules=tuple(f"{prefix}.{name}" for name in (*pp_plan.before_norm, *collapse)),
+    )
+
+
+def _computed_refusal(model: nn.Module, pp_plan: PpPlan) -> str | None:
+    """Layer arguments computed for all heads at once (ALiBi biases) cannot be split over TP ranks by pp_tp."""
+    if not pp_plan.computed:
+        return None
+    return (
+        f"model {type(model).__name__}: its forward hands its layers {sorted(pp_plan.computed)} computed for all "
+        "attention heads, which pp_tp does not split over TP ranks; set parallel.tp = 1"
     )
 
 
 def _outside_plan(model: nn.Module, pp_plan: PpPlan) -> tuple[list[str], tuple[str, ...]]:
     """The base model's children outside the plan: parameterless ones every stage shares (rotary tables), and a
     hyper-connection family's stream collapse (hc_head), which the last stage runs before its norm; any other
-    module with weights is refused."""
+    module with weights, and any weight of a wrapper (BERT's `encoder`) outside the plan's modules, is refused."""
     base = model.get_submodule(pp_plan.base)
-    plan = {pp_plan.embed, pp_plan.blocks, pp_plan.norm, *pp_plan.after_embed, *pp_plan.before_norm}
-    extra = [name for name, child in base.named_children() if name not in plan]
+    plan = {pp_plan.embed, pp_plan.blocks, pp_plan.norm, *pp_plan.after_embed, *pp_plan.before_norm} - {""}
+    wrappers = {name.split(".")[0] for name in plan if "." in name}
+    extra = [name for name, child in base.named_children() if name not in plan | wrappers]
     weighted = [name for name in extra if any(True for _ in base.get_submodule(name).parameters())]
+    weighted += [
+        f"{w}.{name}"
+        for w in sorted(wrappers)
+        for name, _ in base.get_submodule(w).named_parameters()
+        if not any(f"{w}.{name}".startswith(f"{p}.") for p in plan)
+    ]
     collapse = hyper.collapse_modules(model.config, weighted)
     weighted = [name for name in weighted if name not in collapse]
     if weighted:
@@ -323,8 +318,9 @@ def _refuse_cross_layer_inputs(model: nn.Module, blocks_fqn: str, blocks: list[n
 
 
 def _threaded_state(model: nn.Module, blocks_key: str) -> tuple[str, str] | None:
-    """(keyword, value) where the base model's forward, in its loop over `self.<blocks_key>`, passes a layer a value
-    the previous layer returned (HY-V4: `hidden_states, topk_indices = layer(..., prev_topk_indices=topk_indices)`);
+    """(keyword or argument position, value) where the base model's forward, in its loop over `self.<blocks_key>`,
+    passes a layer a value the previous layer returned (HY-V4: `hidden_states, topk_indices = layer(...,
+    prev_topk_indices=topk_indices)`; Zaya positionally);
     None when it passes none (or its source cannot be read)."""
     base = model.get_submodule(embedding_parent(model))
     try:
@@ -340,6 +336,13 @@ def _threaded_state(model: nn.Module, blocks_key: str) -> tuple[str, str] | None
                 for kw in node.value.keywords:
                     if isinstance(kw.value, ast.Name) and kw.value.id in returned - {"hidden_states"}:
                         return kw.arg or "", kw.value.id
+                called = node.value.func
+                layer_call = isinstance(called, ast.Name) and called.id in {
+                    t.id for t in ast.walk(loop.target) if isinstance(t, ast.Name)
+                }
+                for i, arg in enumerate(node.value.args if layer_call else ()):  # Zaya: `h, prev = layer(h, prev)`
+                    if isinstance(arg, ast.Name) and arg.id in returned - {"hidden_states"}:
+                        return f"argument {i + 1}", arg.id
     return None
 
 

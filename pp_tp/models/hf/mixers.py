@@ -28,9 +28,11 @@ from pp_tp.parallel.tensor_parallel import block_plan, verify
 from pp_tp.parallel.tp_styles import TP_STYLES
 
 MaskFn = Callable[..., Any]
+FULL = "full_attention"
+_CROSS = "encoder_attention_mask"
 
 
-def _no_cache(mask_fn: MaskFn) -> dict[str, None]:
+def mask_without_cache(mask_fn: MaskFn) -> dict[str, None]:
     """No KV cache; transformers >= 5.24 names that argument `cache` (`past_key_values` before)."""
     return {"cache": None} if "cache" in inspect.signature(mask_fn).parameters else {"past_key_values": None}
 
@@ -58,6 +60,7 @@ class LayerMasks:
                 "pp_tp.extend.register_layout)"
             )
         self.makers = {t: MAPPING[t] for t in self.types} if self.family is None else {}
+        self.separate = _separate_mixer_mask(model)
 
     def build(self, config: Any, h: torch.Tensor, position_ids: torch.Tensor) -> dict[str, Any]:
         """Layer type -> its mask for this microbatch (no padding mask: pp_tp microbatches are whole sequences, so
@@ -70,11 +73,25 @@ class LayerMasks:
             return {t: masks.get(t) for t in self.types}
         out: dict[str, Any] = {}
         for t, maker in self.makers.items():
-            if isinstance(maker, dict):  # a hybrid layer: one mask per part of it
-                out[t] = {part: fn(**kwargs, **_no_cache(fn)) for part, fn in maker.items()}
+            if isinstance(maker, dict) and self.separate:  # its attention part as attention_mask (see below)
+                fn = maker[FULL]
+                out[t] = fn(**kwargs, **mask_without_cache(fn))
+            elif isinstance(maker, dict):  # a hybrid layer: one mask per part of it
+                out[t] = {part: fn(**kwargs, **mask_without_cache(fn)) for part, fn in maker.items()}
             else:
-                out[t] = maker(**kwargs, **_no_cache(maker))
+                out[t] = maker(**kwargs, **mask_without_cache(maker))
         return out
+
+
+def _separate_mixer_mask(model: nn.Module) -> bool:
+    """Whether the family's hybrid layers take their mixer's mask as an argument of its own beside attention_mask
+    (Falcon-H1's `mamba_attention_mask`): they then get the attention part as attention_mask and leave the other at
+    its default, None, which is what the recurrent mask is without padding (pp_tp microbatches have none)."""
+    for module in model.modules():
+        params = inspect.signature(module.forward).parameters
+        if "attention_mask" in params and any(p.endswith("_attention_mask") and p != _CROSS for p in params):
+            return True
+    return False
 
 
 def _shards(fqn: str, resolved: dict[str, str]) -> bool:

@@ -1,0 +1,150 @@
+"""How a Hugging Face layer is called inside a stage: with the keywords its family's own forward hands it (masks
+per layer type from transformers' mask functions, position ids, rotary tables per layer type, what the family computes
+from the batch's shape such as ALiBi biases), built once per microbatch and shared by the stage's blocks."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from pp_tp.errors import ConfigError
+from pp_tp.models.hf.discover import SUPPLIED, ComputedInputs
+from pp_tp.models.hf.handed import Handed
+from pp_tp.models.hf.mixers import LayerMasks, mask_without_cache
+
+
+class BlockContext:
+    """What every block of one microbatch needs besides the hidden state: masks, rotary embeddings, and what the
+    family's own code computes from the microbatch's shape (ALiBi biases, `computed`)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        rotary: str | None,
+        layer_types: dict[int, str],
+        block_kwargs: set[str],
+        computed: ComputedInputs | None = None,
+        mask_dtype: torch.dtype | None = None,
+    ):
+        self.config = model.config
+        self.computed = computed
+        self.mask_dtype = mask_dtype
+        self.rotary = rotary
+        self.layer_types = layer_types  # id(block) -> layer type
+        self.masks = LayerMasks(model, layer_types.values())
+        self.block_kwargs = block_kwargs
+        self.per_type_rotary = (
+            rotary is not None and "layer_type" in inspect.signature(model.get_submodule(rotary).forward).parameters
+        )
+        # A rotary keyed by table names of its own, none a layer type (DeepSeek-V4's 'main' / 'compress'): the
+        # forward hands every layer all its tables. Keyed by some layer types only (LFM3's attention types beside
+        # its 'conv' layers): each layer gets its type's table, or None.
+        own = getattr(model.get_submodule(rotary), "layer_types", None) if self.per_type_rotary else None
+        types = set(layer_types.values())
+        self.all_tables = tuple(own) if own and not types & set(own) else ()
+        self.tables = self.all_tables or tuple(sorted(types & set(own) if own else types))
+        self.no_rotary: set[str] = set()  # layer types the forward hands no rotary tables (LaraMini's global layers)
+
+    def adopt(self, model: nn.Module, found: Handed, types: list[str]) -> None:
+        """Takes what the family's own forward hands each layer type (`found`, on its small copy whose layers have
+        `types`) where it differs from the default: keywords it passes through `**kwargs`, None for rotary tables,
+        another of transformers' mask functions (Moshi: a causal mask although the config sets a window; Doge: a
+        materialized one); a mask none of them builds is refused in one line."""
+        from transformers.masking_utils import LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING as MAPPING
+
+        config = found.config
+        h = torch.zeros(found.rows, found.seq, config.hidden_size)  # the traced forward's shape
+        positions = torch.arange(found.seq).unsqueeze(0)
+        built = self.masks.build(config, h, positions) if self.masks.family is None else None
+        candidates = list({id(f): f for f in MAPPING.values() if not isinstance(f, dict)}.values())
+        for kind, kwargs in zip(types, found.layers):
+            self.block_kwargs |= {k for k in kwargs if k in SUPPLIED}
+            if "position_embeddings" in kwargs and kwargs["position_embeddings"] is None and self.rotary is not None:
+                self.no_rotary.add(kind)
+            mask = kwargs.get("attention_mask")
+            if built is None or "attention_mask" not in kwargs or _same(mask, self._as_handed(built[kind])):
+                continue
+            kw = {"config": config, "inputs_embeds": h, "attention_mask": None, "position_ids": positions}
+            maker = next((f for f in candidates if _same(self._as_handed(_try(f, kw)), mask)), None)
+            if maker is None:
+                raise ConfigError(
+                    f"model {type(model).__name__}: its forward hands its {kind!r} layers an attention mask none of "
+                    "transformers' mask functions builds; register a layout for it (pp_tp.extend.register_layout)"
+                )
+            self.masks.makers[kind] = built[kind] = maker
+
+    def _as_handed(self, mask: Any) -> Any:
+        """A mask as the family's forward hands it to its layers: MPT's additive mask as bool (True: masked)."""
+        if self.mask_dtype == torch.bool and isinstance(mask, torch.Tensor) and mask.is_floating_point():
+            return mask.to(torch.bool)
+        return mask
+
+    def inputs(self, stage: nn.Module, h: torch.Tensor) -> tuple[Any, ...]:
+        """Masks by attention type, position ids and position embeddings for this microbatch."""
+        return self.document_inputs(stage, h, torch.arange(h.shape[1], device=h.device).unsqueeze(0))
+
+    def document_inputs(self, stage: nn.Module, h: torch.Tensor, position_ids: torch.Tensor) -> tuple[Any, ...]:
+        """The same for given per-token position ids: where they restart (packed documents), transformers' own
+        mask functions keep attention inside each document (sliding windows included)."""
+        masks = self.masks.build(self.config, h, position_ids)
+        embeddings: Any = None
+        if self.rotary is not None:
+            rotary = stage.get_submodule(self.rotary)
+            if self.per_type_rotary:
+                embeddings = {t: rotary(h, position_ids, t) for t in self.tables}
+            else:
+                embeddings = rotary(h, position_ids)
+        return position_ids, masks, embeddings, self.computed(h) if self.computed is not None else {}
+
+    def call(self, block: nn.Module, h: torch.Tensor, extras: tuple[Any, ...]) -> torch.Tensor:
+        """One decoder layer, called with the keywords the model's own forward passes it."""
+        position_ids, masks, embeddings, computed = extras
+        kind = self.layer_types[id(block)]
+        kwargs = {
+            "attention_mask": self._as_handed(masks[kind]),
+            "position_ids": position_ids,
+            "past_key_values": None,
+            "use_cache": False,
+            "shared_kv_states": {},  # Gemma 4 layers store their K/V for later ones; compose refuses any that reuse
+            **computed,
+        }
+        if embeddings is not None:
+            per_layer = self.per_type_rotary and not self.all_tables
+            kwargs["position_embeddings"] = embeddings.get(kind) if per_layer else embeddings
+            kwargs["position_embeddings"] = None if kind in self.no_rotary else kwargs["position_embeddings"]
+        given = {k: v for k, v in kwargs.items() if k in self.block_kwargs}
+        out = block(h, **{**dict.fromkeys(_required_of(type(block))), **given})
+        return out[0] if isinstance(out, (tuple, list)) else out  # GPT-1's blocks return a list
+
+
+@functools.cache
+def _required_of(cls: type) -> tuple[str, ...]:
+    """A layer class's arguments without default beyond the hidden state: one the block context does not supply is
+    None (Falcon's `alibi` without ALiBi), as the family's forward passes it; the self-check proves the composition."""
+    params = list(inspect.signature(cls.forward).parameters.values())[2:]  # past self and the hidden state
+    return tuple(p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
+def _try(maker: Any, kwargs: dict[str, Any]) -> Any:
+    """`maker`'s mask, or a marker no mask equals where it cannot build one for this config (no window set)."""
+    try:
+        return maker(**kwargs, **mask_without_cache(maker))
+    except (ValueError, TypeError, AttributeError):
+        return _try
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal masks: both None, equal tensors, or dicts of equal masks."""
+    if isinstance(a, dict) or isinstance(b, dict):
+        return (
+            isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+        )
+    if a is None or b is None:
+        return a is b
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and torch.equal(a, b)
+    return False
