@@ -9,20 +9,33 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 
 
 @torch.no_grad()
 def init_buffers(stage: nn.Module, model: nn.Module) -> None:
     """Recomputes every buffer of `stage` with the model's own `_init_weights` rules (a source, when there is one,
-    overwrites the persistent ones afterwards)."""
+    overwrites the persistent ones afterwards). A base model's rule may fill its layers' buffers (Falcon-H1's
+    `mup_vector`): it runs on `model`'s own base models too, whose layers the stage shares."""
     for module in stage.modules():
-        if next(module.buffers(recurse=False), None) is None:
-            continue
-        params = dict(module.named_parameters(recurse=False))
+        if next(module.buffers(recurse=False), None) is not None:
+            _without_parameters(model, module, recurse=False)
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel) and module is not model:
+            _without_parameters(model, module, recurse=True)
+
+
+def _without_parameters(model: nn.Module, module: nn.Module, recurse: bool) -> None:
+    """`model._init_weights(module)` with `module`'s parameters (all below it, with `recurse`) swapped for meta
+    placeholders, so only buffers take its values."""
+    owners = list(module.modules()) if recurse else [module]
+    saved = [(m, dict(m.named_parameters(recurse=False))) for m in owners]
+    for m, params in saved:
         for name, p in params.items():
-            setattr(module, name, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad))
-        try:
-            model._init_weights(module)
-        finally:
+            setattr(m, name, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad))
+    try:
+        model._init_weights(module)
+    finally:
+        for m, params in saved:
             for name, p in params.items():
-                setattr(module, name, p)
+                setattr(m, name, p)
