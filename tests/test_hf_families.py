@@ -86,6 +86,7 @@ FAMILIES = {
     "minimax_m2": ("minimax_m2", {}, "sdpa"),
     "apertus": ("apertus", {}, "sdpa"),
     "llama4_text": ("llama4_text", {}, "sdpa"),  # experts [E, D, 2F], called densely, declared in the TP plan only
+    "olmoe": ("olmoe", {}, "sdpa"),  # no declared pp plan: embed_tokens -> layers -> norm
     "qwen2_moe": ("qwen2_moe", {}, "sdpa"),
     "gpt_oss": ("gpt_oss", {}, "eager"),
     "granite_swa_sinks": ("granite_swa", {}, "eager"),  # HF's `local_params` attention: sinks split by heads
@@ -180,6 +181,8 @@ CASES4 = [
     ("granite_swa_sinks", dict(pp=2, schedule="1F1B", microbatches=2, **TP)),
     ("llama4_text", dict(pp=2, schedule="1F1B", microbatches=2, tp=2)),  # TP of transposed experts
     ("llama4_text", dict(pp=2, dp_shard=2, ep=2, schedule="1F1B", microbatches=2)),  # EP of dense experts
+    ("olmoe", dict(pp=2, schedule="1F1B", microbatches=2, tp=2)),
+    ("olmoe", dict(pp=2, dp_shard=2, ep=2, schedule="1F1B", microbatches=2)),
 ]
 CASES8 = [
     ("llama_tied", dict(pp=2, dp_shard=2, schedule="1F1B", microbatches=2, **TP)),

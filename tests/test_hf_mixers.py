@@ -37,7 +37,16 @@ def _small(model_type: str, num_hidden_layers: int, **_: object):
     return config
 
 
-MIXERS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear", "deepseek_v32", "jamba", "nemotron_h")
+MIXERS = (
+    "qwen3_next",
+    "qwen3_5_text",
+    "qwen3_5_moe_text",
+    "kimi_linear",
+    "deepseek_v32",
+    "jamba",
+    "nemotron_h",
+    "axk2",
+)
 MIXERS += ("bamba",)
 hf.FAMILIES.update({name: (functools.partial(_small, name), {}, "sdpa") for name in MIXERS})
 
@@ -48,9 +57,11 @@ CASES = [
     ("qwen3_5_text", dict(pp=2, tp=2, schedule="ZBVZeroBubble", microbatches=4)),
     ("kimi_linear", TP),  # KDA whole, MLA heads split
     ("deepseek_v32", TP),  # MLA heads split, the indexer whole beside the latents
+    ("axk2", TP),  # as V3.2, q_gate_proj reading [q_resid, q_compressed]: its input gradient left partial
     ("jamba", TP),  # Mamba whole, TP experts
     ("jamba", dict(pp=2, dp_shard=2, schedule="1F1B", microbatches=2)),  # uneven padding across dp
     ("nemotron_h", EP),  # Mamba2, attention, MLP and MoE blocks
+    ("qwen3_5_moe_text", EP),  # gated delta nets beside attention, experts over 2 EP ranks
     ("bamba", TP),  # Mamba2 split by heads (2 groups, one per TP rank); attention and MLP, unplanned, whole
 ]
 

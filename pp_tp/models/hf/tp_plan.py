@@ -41,9 +41,8 @@ SUPPORTED = {
     "replicate": "replicate",
     "mla_kv_a_proj": "replicated_partial_grad",
 }
-# MLA: modules whole on every rank beside kv_a_proj_with_mqa, and the up-projections reading their outputs.
+# MLA: modules whole on every rank beside kv_a_proj_with_mqa (the column-parallel layers reading them: _mla).
 _MLA_WHOLE = ("kv_a_layernorm", "q_a_proj", "q_a_layernorm")
-_MLA_UP = ("kv_b_proj", "q_b_proj")
 # Fused projections HF gathers, by name: the pp_tp style splitting them per part.
 _FUSED = {"gate_up_proj": "colwise_packed2", "qkv_proj": "colwise_packed3"}
 # HF styles that shard or dispatch MoE experts (the refusal says so; any other unsupported style is named as is).
@@ -226,7 +225,11 @@ def _mla(plan: dict[str, str], blocks: list[nn.Module]) -> dict[str, str]:
         if style == "replicated_partial_grad":
             parent = rule.rpartition(".")[0]
             plan.update({f"{parent}.{name}": "replicated_partial_grad" for name in _MLA_WHOLE})
-            plan.update({f"{parent}.{name}": "colwise_in_region" for name in _MLA_UP if f"{parent}.{name}" in plan})
+            # every column-parallel layer of the attention reads a local activation inside the region (the latents,
+            # or AXK2's q_gate_proj reading [q_resid, q_compressed]): its input gradient stays partial
+            plan.update(
+                {r: "colwise_in_region" for r, s in plan.items() if r.rpartition(".")[0] == parent and s == "colwise"}
+            )
             plan.update(dict.fromkeys(_ruleless_children(blocks, parent, plan), style))
     return plan
 
