@@ -81,7 +81,8 @@ FAMILIES = {
     "deepseek_v3": ("deepseek_v3", {}, "sdpa"),
     "deepseek_v2": ("deepseek_v2", dict(first_k_dense_replace=1), "sdpa"),
     "minicpm3": ("minicpm3", {}, "sdpa"),
-    "exaone_moe": ("exaone_moe", {}, "sdpa"),
+    # its default's first layer dense, the rest MoE (so every rank holds router biases under ZBV, tests/test_buffers.py)
+    "exaone_moe": ("exaone_moe", {"mlp_layer_types": ["dense"] + ["sparse"] * 3}, "sdpa"),
     "dots1": ("dots1", {}, "sdpa"),
     "minimax_m2": ("minimax_m2", {}, "sdpa"),
     "apertus": ("apertus", {}, "sdpa"),

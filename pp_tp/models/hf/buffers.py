@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
 
 
 @torch.no_grad()
@@ -17,6 +16,8 @@ def init_buffers(stage: nn.Module, model: nn.Module) -> None:
     """Recomputes every buffer of `stage` with the model's own `_init_weights` rules (a source, when there is one,
     overwrites the persistent ones afterwards). A base model's rule may fill its layers' buffers (Falcon-H1's
     `mup_vector`): it runs on `model`'s own base models too, whose layers the stage shares."""
+    from transformers import PreTrainedModel  # here, so importing pp_tp does not import transformers
+
     for module in stage.modules():
         if next(module.buffers(recurse=False), None) is not None:
             _without_parameters(model, module, recurse=False)

@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
 from pp_tp.base.forward import without_cache
 from pp_tp.base.tensors import persistent_buffers
@@ -124,6 +123,8 @@ def small_config(config):
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
         if isinstance(getattr(small, key, None), int) and getattr(small, key) >= 128:
             setattr(small, key, 0)
+    from transformers import PretrainedConfig  # here, so importing pp_tp does not import transformers
+
     for key in getattr(config, "sub_configs", {}):  # BLT: its encoder, global and decoder configs, each shrunk
         sub = get(key)
         if isinstance(sub, PretrainedConfig):
