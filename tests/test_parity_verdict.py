@@ -68,14 +68,15 @@ def planted_case() -> dict:
     state = pu.reference_state(args)
     ids, labels = pu.batch(args, 8, 16)
     out = {}
-    for bug in ("none", "dropped_microbatch", "bias_twice"):
+    for bug in ("none", "unshared", "dropped_microbatch", "bias_twice"):
         run = pu.pipeline(pcfg, copy.deepcopy(state), args)
         if bug == "dropped_microbatch":
             run.pipe._loss.__class__ = DropFirstMicrobatch
         if bug == "bias_twice":
             out["hooks"] = _bias_twice(run.pipe)
-        diffs = list(lockstep(PipelineRun(run.pipe, pu.adamw()), pu.reference(state, args), [(ids, labels)] * 2))
-        out[bug] = pu.summary(diffs)
+        ref = pu.reference(state, args)
+        diffs = list(lockstep(PipelineRun(run.pipe, pu.adamw()), ref, [(ids, labels)] * 2, shared=bug != "unshared"))
+        out[bug] = {**pu.summary(diffs), "ref_grads": ref.grads(), "ref_params": ref.params()}
     return out
 
 
@@ -84,6 +85,11 @@ def test_planted_bugs_fail_and_the_correct_build_passes(world):
         pu.assert_passes(r["none"])
         assert r["dropped_microbatch"]["scores"]["grads"] > 100, r["dropped_microbatch"]
         assert r["hooks"] == 2 and r["bias_twice"]["scores"]["loss"] > 100, r["bias_twice"]
+        # the references stepped on one rank and mirrored (pp_tp/parity/shared.py) judge as when every rank steps them
+        shared, unshared = r["none"], r["unshared"]
+        assert shared["scores"] == unshared["scores"], (shared["scores"], unshared["scores"])
+        for kind in ("ref_grads", "ref_params"):
+            assert all(torch.equal(t, unshared[kind][k]) for k, t in shared[kind].items()), kind
 
 
 def shipped_case() -> list[int]:

@@ -75,7 +75,7 @@ def moe_case(name: str, schedule_name: str) -> dict:
     run, ref = PipelineRun(pipe, adamw), ReferenceRun(ref_model, adamw)
     batches = [_batch(seed)[:2] for seed in (1, 2)]
     steps, counts = [], {}
-    for i, diff in enumerate(lockstep(run, ref, batches)):
+    for i, diff in enumerate(lockstep(run, ref, batches, shared=False)):  # reads ref_model's routing counts
         steps.append(diff)
         if i == 0:  # the first step's routing: pp_tp's counts, torchtitan's own buffers summed over DP, the reference
             local = {k: moe.tokens_per_expert_E.clone() for k, moe in _moe_blocks(parts).items()}

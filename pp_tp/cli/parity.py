@@ -1,11 +1,12 @@
 """`pp-tp parity`: the user's own config against its non-PP build, for a few steps, before a long job.
 
 Every rank builds the single-process model on the same weights and batch, in fp32 and in float64 (so the model must
-fit on one device twice over), runs the job's own AdamW steps and clipping, and judges after each step the loss,
-every local parameter's full gradient and updated value, the persistent buffers and the clipped norm of the
-pipelined build by their distance to the float64 truth next to the plain fp32 build's (pp_tp/parity/lockstep.py).
-Dropout is off in all builds (their masks differ by design) and the output says so. Rank 0 prints one row per step
-with both distances; the exit code says whether all rows passed.
+fit on one device twice over); one rank steps each of them with the job's own AdamW and clipping and the others mirror
+its results (pp_tp/parity/shared.py). Every rank judges after each step the loss, every local parameter's full
+gradient and updated value, the persistent buffers and the clipped norm of the pipelined build by their distance to
+the float64 truth next to the plain fp32 build's (pp_tp/parity/lockstep.py). Dropout is off in all builds (their
+masks differ by design) and the output says so. Rank 0 prints one row per step with both distances; the exit code
+says whether all rows passed.
 """
 
 from __future__ import annotations

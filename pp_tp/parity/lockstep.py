@@ -17,7 +17,8 @@ each optimizer step are judged against that step redone in float64 from the pipe
 gradients (within the floor). Gradients right and the step right: the parameters are right.
 
 `pp-tp parity` (pp_tp/cli/parity.py) and the parity tests (tests/parity_utils.py) share it, so the command checks
-what the tests check. Each rank runs all three: the references on the whole batch, the pipeline on its DP share.
+what the tests check. Each rank runs the pipeline on its DP share; each reference runs on the whole batch on one
+rank and is mirrored on the others (pp_tp/parity/shared.py), or on every rank with `shared=False`.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from pp_tp.base.forward import without_cache
 from pp_tp.base.tensors import full_tensor, persistent_buffers
 from pp_tp.parallel.grads import clip_grad_norm_
 from pp_tp.parallel.mesh import dp_rank, dp_size
+from pp_tp.parity.shared import load_on, owners, step_on
 from pp_tp.runtime.loss import SumLoss, target_count
 from pp_tp.runtime.pipeline import Pipeline
 
@@ -316,19 +318,26 @@ def _judge_step(
     return out
 
 
-def lockstep(run: PipelineRun, ref: ReferenceRun, batches: Iterable[tuple[torch.Tensor, ...]]) -> Iterator[StepDiff]:
+def lockstep(
+    run: PipelineRun, ref: ReferenceRun, batches: Iterable[tuple[torch.Tensor, ...]], shared: bool = True
+) -> Iterator[StepDiff]:
     """Steps the pipeline, the plain fp32 build and its float64 copy (made here, before the first step) on each
-    global batch (ids, labels, *extra) and judges them after each step."""
+    global batch (ids, labels, *extra) and judges them after each step. `shared`: each reference steps on one rank
+    and is mirrored on the others (pp_tp/parity/shared.py); False for a caller that reads a reference model's
+    optimizer state or non-persistent buffers afterwards."""
     params = run.params()  # views of the live parameters where unsharded: copied below before each step
     truth, redo = ref.in_float64(), StepInFloat64(run.make_optimizer, params)
+    mine, true_owner = owners(shared and run.pipe.mesh.size() == dist.get_world_size())
     loaded = judge(params, None, ref.params(), run.keys, run.floor)  # the pipeline holds the model's weights
     for i, batch in enumerate(batches):
         before = {k: p.to(torch.float64, copy=True) for k, p in params.items()}
         if i:  # from the pipeline's parameters (module docstring: fp32 trajectories part at random)
             state = _whole_model(run, before)
-            ref.load(state)
-            truth.load(state)
-        want, got, true = ref.step(*batch), run.step(*batch), truth.step(*batch)
+            load_on(mine, ref, state)
+            load_on(true_owner, truth, state)
+        got = run.step(*batch)
+        step_on(((mine, ref), (true_owner, truth)), batch)
+        want, true = ref.losses[-1], truth.losses[-1]
         after = _Gathered(run.grads(), run.params(), run.buffers())
         params = after.params
         judged = _judge_step(run, after, ref, truth, redo.take(before, after.grads))
