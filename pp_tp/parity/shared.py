@@ -10,15 +10,27 @@ read the same on every rank. Optimizer state and non-persistent buffers stay the
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from pp_tp.base.tensors import persistent_buffers
 
-if TYPE_CHECKING:
-    from pp_tp.parity.lockstep import ReferenceRun
+
+class ReferenceRun(Protocol):
+    """What is stepped and mirrored here: lockstep.ReferenceRun (named by shape, as lockstep imports this module)."""
+
+    model: nn.Module
+    losses: list[float]
+    norms: list[float]
+
+    def step(self, *batch: torch.Tensor) -> float: ...
+    def load(self, params: dict[str, torch.Tensor]) -> None: ...
+    def grads(self) -> dict[str, torch.Tensor]: ...
+    def params(self) -> dict[str, torch.Tensor]: ...
+    def buffers(self) -> dict[str, torch.Tensor]: ...
 
 
 def owners(world_covered: bool) -> tuple[int | None, int | None]:
