@@ -1,7 +1,8 @@
 """Hugging Face causal LMs that declare no `base_model_pp_plan`: structure found from their own forward
 (pp_tp/models/hf/discover.py: through wrappers such as BERT's `encoder`, with no final norm, with ALiBi biases the
-family's own code computes per microbatch shape), exact against the model's own run, or refused in one line; Llama 4
-(text); and randomness beyond dropout in a family's training forward (pp_tp/models/hf/randomness.py), accepted
+family's own code computes per microbatch shape; RWKV, whose forward threads a state from layer to layer only with a
+cache), exact against the model's own run, or refused in one line (CTRL); Llama 4 (text); and
+randomness beyond dropout in a family's training forward (pp_tp/models/hf/randomness.py), accepted
 outside TP regions.
 
 Tiny configs built here, fp32. Exactness: loss, every full gradient and the parameters after two AdamW steps against
@@ -36,6 +37,7 @@ BERT = dict(
     hidden_size=32, num_hidden_layers=4, num_attention_heads=4, intermediate_size=64, max_position_embeddings=64,
     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, is_decoder=True,
 )  # fmt: skip
+RWKV = dict(hidden_size=32, num_hidden_layers=4, attention_hidden_size=32, intermediate_size=64, context_length=64)
 CONFIGS = {
     "gpt2": lambda **kw: T.GPT2Config(
         n_embd=32, n_layer=4, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **IDS, **kw
@@ -54,6 +56,10 @@ CONFIGS = {
         **BASE, intermediate_size_mlp=64, head_dim=8, num_local_experts=4, attention_chunk_size=4, **kw
     ),
     "phimoe": lambda **kw: T.PhimoeConfig(**BASE, num_local_experts=4, **kw),
+    "rwkv": lambda **kw: T.RwkvConfig(**{**RWKV, **IDS, **kw}),
+    "ctrl": lambda **kw: T.CTRLConfig(
+        n_embd=32, n_layer=2, n_head=4, dff=64, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, **IDS, **kw
+    ),
 }
 
 
@@ -98,6 +104,9 @@ def test_the_gpt2_first_stage_adds_learned_positions_as_its_forward_does():
 def test_structures_it_cannot_prove_are_refused_in_one_line():
     one_line("xlnet", r"XLNetLMHeadModel: its forward calls dropout more than once")  # two-stream, before collectives
     one_line("opt", r"runs \['final_layer_norm', 'project_out'\] after its layers", word_embed_proj_dim=16)
+    # CTRL scales its embeddings and adds sinusoidal positions in its own code, not in a module
+    one_line("ctrl", r"CTRLLMHeadModel: its forward changes the embedding's output outside any module before it runs "
+             r"dropout")  # fmt: skip
 
 
 def test_wrapped_layers_no_final_norm_and_alibi_are_found():
@@ -152,6 +161,7 @@ CASES = [
     ("bloom", DP2, {}),  # ALiBi computed per microbatch by BLOOM's own code
     ("mpt", DP2, {}),  # ALiBi as position_bias, its mask handed to layers as bool
     ("bert-generation", DP2, {}),  # embeddings and layers inside wrappers, no final norm
+    ("rwkv", DP2, {}),  # its forward threads a `state` from layer to layer only with a cache: None in training
 ]
 
 

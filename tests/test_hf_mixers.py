@@ -103,3 +103,13 @@ def test_the_report_names_what_runs_whole_on_every_tp_rank():
     assert whole("jamba")["mamba"] == (("JambaMambaMixer",), mamba)
     dsa = whole("deepseek_v32")
     assert "self_attn.indexer" in dsa and "self_attn.q_b_proj" not in dsa and "mlp.experts" not in dsa, dsa
+
+
+def test_the_small_copy_keeps_sub_configs_tied_as_the_config_derives_them():
+    """BLT's shrunk sub-configs stay consistent: its own __post_init__ re-derives the global transformer's input
+    projection (encoder width x cross_attn_k = 128 into a 64-wide global transformer) and the local encoder's window."""
+    small = small_config(T.BltConfig())
+    width = small.encoder_config.hidden_size * small.cross_attn_k
+    assert (width, small.global_config.hidden_size) == (128, 64)
+    assert small.global_config.encoder_cross_output_size == width
+    assert small.encoder_config.sliding_window == small.local_attention_window_len == 4

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
+from pp_tp.base._torch import local_tensor
 from pp_tp.parallel.declared_tp import ConvChannelParallel
 from pp_tp.parallel.local_styles import PackedColwise, ReplicatedPartialGrad, localize_heads, shard_head_params
 from pp_tp.parallel.mixer_tp import GATED_DELTA_NET, MAMBA2, HeadSplitMixer
@@ -115,15 +116,30 @@ class ReplicateInput(ParallelStyle):
         return module
 
 
+class _OwnedLocal(torch.autograd.Function):
+    """A replicated DTensor's local tensor itself, not `to_local`'s view of it: autograd forbids modifying a custom
+    Function's view in place, and families add into a row-parallel output in place (Llama 4's MoE:
+    `shared_expert(x).add_(routed)`). No copy: the DTensor is the all-reduce's fresh result, read by nothing else."""
+
+    @staticmethod
+    def forward(ctx: Any, dtensor: DTensor) -> torch.Tensor:  # noqa: D102
+        ctx.mesh, ctx.placements = dtensor.device_mesh, dtensor.placements
+        return local_tensor(dtensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> DTensor:  # noqa: D102
+        return DTensor.from_local(grad, ctx.mesh, ctx.placements, run_check=False)
+
+
 class OwnedRowwise(RowwiseParallel):
-    """RowwiseParallel whose local output is a tensor of its own: `DTensor.to_local` hands back its local tensor as a
-    custom Function's view, which autograd forbids modifying in place, and families add into a row-parallel output in
-    place (Llama 4's MoE: `shared_expert(x).add_(routed)`). One copy of the all-reduced activation per layer."""
+    """RowwiseParallel whose local output is a tensor of its own (`_OwnedLocal`), so it may be modified in place.
+    The all-reduce is waited for at once, as the first use of `to_local`'s view would."""
 
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):  # noqa: ANN001, ANN205
-        out = RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
-        return out.clone() if use_local_output else out
+        if outputs.placements != output_layouts:
+            outputs = outputs.redistribute(placements=output_layouts, async_op=False)
+        return _OwnedLocal.apply(outputs) if use_local_output else outputs
 
 
 _BUILT_IN = {

@@ -12,9 +12,20 @@ import torch
 from torch import nn
 
 from pp_tp.errors import ConfigError
-from pp_tp.models.hf.discover import SUPPLIED, ComputedInputs
+from pp_tp.models.hf.discover import SUPPLIED, ComputedInputs, same
 from pp_tp.models.hf.handed import Handed
-from pp_tp.models.hf.mixers import LayerMasks, mask_without_cache
+from pp_tp.models.hf.mixers import FULL, LayerMasks, mask_without_cache
+
+SLIDING = "sliding_attention"
+
+
+def layer_types_of(config: Any, n_layers: int) -> list[str]:
+    """Each of the first `n_layers` layers' type, as the model's forward picks its mask (mixers.LayerMasks refuses
+    one it cannot)."""
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return list(types[:n_layers])
+    return [SLIDING if getattr(config, "sliding_window", None) is not None else FULL] * n_layers
 
 
 class BlockContext:
@@ -27,9 +38,12 @@ class BlockContext:
         rotary: str | None,
         layer_types: dict[int, str],
         block_kwargs: set[str],
+        found: Handed | None = None,
         computed: ComputedInputs | None = None,
         mask_dtype: torch.dtype | None = None,
     ):
+        """`found`: what the family's own forward hands each layer of its small copy (handed.py), adopted where it
+        differs from the defaults below; None where the copy was not traced (the self-check still proves it)."""
         self.config = model.config
         self.computed = computed
         self.mask_dtype = mask_dtype
@@ -48,15 +62,18 @@ class BlockContext:
         self.all_tables = tuple(own) if own and not types & set(own) else ()
         self.tables = self.all_tables or tuple(sorted(types & set(own) if own else types))
         self.no_rotary: set[str] = set()  # layer types the forward hands no rotary tables (LaraMini's global layers)
+        if found is not None:
+            self._adopt(model, found)
 
-    def adopt(self, model: nn.Module, found: Handed, types: list[str]) -> None:
-        """Takes what the family's own forward hands each layer type (`found`, on its small copy whose layers have
-        `types`) where it differs from the default: keywords it passes through `**kwargs`, None for rotary tables,
-        another of transformers' mask functions (Moshi: a causal mask although the config sets a window; Doge: a
-        materialized one); a mask none of them builds is refused in one line."""
+    def _adopt(self, model: nn.Module, found: Handed) -> None:
+        """Takes what the family's own forward hands each layer type (`found`, on its small copy) where it differs
+        from the default: keywords it passes through `**kwargs`, None for rotary tables, another of transformers'
+        mask functions (Moshi: a causal mask although the config sets a window; Doge: a materialized one); a mask
+        none of them builds is refused in one line."""
         from transformers.masking_utils import LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING as MAPPING
 
         config = found.config
+        types = layer_types_of(config, len(found.layers))
         h = torch.zeros(found.rows, found.seq, config.hidden_size)  # the traced forward's shape
         positions = torch.arange(found.seq).unsqueeze(0)
         built = self.masks.build(config, h, positions) if self.masks.family is None else None
@@ -66,16 +83,17 @@ class BlockContext:
             if "position_embeddings" in kwargs and kwargs["position_embeddings"] is None and self.rotary is not None:
                 self.no_rotary.add(kind)
             mask = kwargs.get("attention_mask")
-            if built is None or "attention_mask" not in kwargs or _same(mask, self._as_handed(built[kind])):
+            if built is None or "attention_mask" not in kwargs or same(mask, self._as_handed(built[kind])):
                 continue
             kw = {"config": config, "inputs_embeds": h, "attention_mask": None, "position_ids": positions}
-            maker = next((f for f in candidates if _same(self._as_handed(_try(f, kw)), mask)), None)
+            maker = next((f for f in candidates if same(self._as_handed(_try(f, kw)), mask)), None)
             if maker is None:
                 raise ConfigError(
                     f"model {type(model).__name__}: its forward hands its {kind!r} layers an attention mask none of "
                     "transformers' mask functions builds; register a layout for it (pp_tp.extend.register_layout)"
                 )
-            self.masks.makers[kind] = built[kind] = maker
+            self.masks.makers[kind] = maker
+            built[kind] = _try(maker, kw)  # the mask it builds: later layers of this type compare with it
 
     def _as_handed(self, mask: Any) -> Any:
         """A mask as the family's forward hands it to its layers: MPT's additive mask as bool (True: masked)."""
@@ -95,7 +113,8 @@ class BlockContext:
         if self.rotary is not None:
             rotary = stage.get_submodule(self.rotary)
             if self.per_type_rotary:
-                embeddings = {t: rotary(h, position_ids, t) for t in self.tables}
+                # A type the forward hands no tables may have none to build (Beam's NoPE full-attention layers).
+                embeddings = {t: rotary(h, position_ids, t) for t in self.tables if t not in self.no_rotary}
             else:
                 embeddings = rotary(h, position_ids)
         return position_ids, masks, embeddings, self.computed(h) if self.computed is not None else {}
@@ -135,16 +154,3 @@ def _try(maker: Any, kwargs: dict[str, Any]) -> Any:
         return maker(**kwargs, **mask_without_cache(maker))
     except (ValueError, TypeError, AttributeError):
         return _try
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Equal masks: both None, equal tensors, or dicts of equal masks."""
-    if isinstance(a, dict) or isinstance(b, dict):
-        return (
-            isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-        )
-    if a is None or b is None:
-        return a is b
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.shape == b.shape and torch.equal(a, b)
-    return False

@@ -144,8 +144,16 @@ def _layer_kwargs(model: nn.Module, block: nn.Module, call: Call) -> tuple[froze
     return frozenset(via_kwargs & SUPPLIED), computed
 
 
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(a[k].shape == b[k].shape and torch.equal(a[k], b[k]) for k in a)
+def same(a: Any, b: Any) -> bool:
+    """Equal traced values: both None, equal tensors, or dicts of equal values (masks per layer type, computed
+    layer arguments)."""
+    if isinstance(a, dict) or isinstance(b, dict):
+        return isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if a is None or b is None:
+        return a is b
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and torch.equal(a, b)
+    return False
 
 
 class _Reached(Exception):
@@ -205,7 +213,7 @@ def _prove_shape_only(model: nn.Module, small: Any, plan: PpPlan, ids: torch.Ten
     except Exception as e:  # noqa: BLE001 - a copy of other widths that does not run proves nothing: refused
         got = {"": e}
     for key in sorted(plan.computed):
-        if not (isinstance(got.get(key), torch.Tensor) and _same({key: got[key]}, {key: want[key]})):
+        if not same(got.get(key), want[key]):
             raise _refuse(
                 model, f"its forward hands its layers {key!r}, which depends on more than the microbatch's shape"
             )
@@ -261,7 +269,7 @@ def _analyse(model: nn.Module, base: nn.Module, calls: list[Call], ids: torch.Te
     if [calls[i].name for i in at] != want or at != list(range(at[0], at[0] + len(at))):
         raise _refuse(model, f"its forward does not run {blocks}'s layers once each, in order, one after another")
     found = [_layer_kwargs(model, base.get_submodule(calls[i].name), calls[i]) for i in at]
-    if any(not _same(computed, found[0][1]) for _, computed in found):
+    if any(not same(computed, found[0][1]) for _, computed in found):
         raise _refuse(model, f"its forward hands its layers different {sorted(found[0][1])} (pp_tp computes one set)")
     block_kwargs = frozenset().union(*(supplied for supplied, _ in found))
     mask = bound_arguments(base.get_submodule(calls[at[0]].name), calls[at[0]].args, calls[at[0]].kwargs)[0].get(
@@ -272,8 +280,10 @@ def _analyse(model: nn.Module, base: nn.Module, calls: list[Call], ids: torch.Te
     if len(set(names)) != len(names):
         raise _refuse(model, f"its forward calls {max(set(names), key=names.count)} more than once")
     embed = embed_name(model, base)
-    if not pre or pre[0].name != embed or not _is_ids(pre[0].args, ids):
+    if not pre or pre[0].name != embed:
         raise _refuse(model, f"its forward does not start with its input embedding {embed}")
+    if not _is_ids(pre[0].args, ids):  # CPM-Ant: prompt tokens of its own put before the batch's
+        raise _refuse(model, f"its forward hands its input embedding {embed} other ids than the batch's")
     if any(any(True for _ in base.get_submodule(c.name).parameters()) for c in post[:-1]):
         raise _refuse(model, f"its forward runs {[c.name for c in post]} after its layers; pp_tp runs one final norm")
     steps = tuple(s for c in pre[1:] if (s := _step(model, base, c, ids)) is not None)

@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from pp_tp.models.hf.discover import embed_name, embedding_parent
+from pp_tp.models.hf.extras import after_embed
 from pp_tp.models.hf.self_check import small_config
-from pp_tp.models.hf.trace import bound_arguments, seeded_copy, trace
+from pp_tp.models.hf.trace import Call, bound_arguments, seeded_copy, trace
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +26,13 @@ class Handed:
     layers: tuple[dict[str, Any], ...]
     pre: tuple[str, ...]
     ids_shape: tuple[int, int]
+    runs: tuple[int, ...] = ()  # the layers' indices in the order the forward runs them (on ids alone)
+    changed_before: str | None = None  # where the embedding's output was changed outside any module (CTRL's scale)
+
+    def run_once_in_order(self) -> bool:
+        """Whether the forward runs each layer once, in order: not looped (Dory), none skipped (Mllama's
+        cross-attention layers on text alone)."""
+        return self.runs == tuple(range(len(self.runs))) and len(self.runs) == len(self.layers)
 
     @property
     def rows(self) -> int:
@@ -55,9 +63,13 @@ def _handed(cls: type, small: Any, blocks: str) -> Handed | None:
     try:
         calls = trace(model, base, ids)
         layers = list(base.get_submodule(blocks))
-        at = [next(i for i, c in enumerate(calls) if c.name == f"{blocks}.{k}") for k in range(len(layers))]
     except Exception:  # noqa: BLE001 - a copy that does not run is the self-check's to refuse
         return None
+    names = {f"{blocks}.{k}": k for k in range(len(layers))}
+    runs = tuple(names[c.name] for c in calls if c.name in names)
+    if sorted(runs) != list(range(len(layers))):
+        return Handed(small, (), (), tuple(ids.shape), runs)  # layout.py refuses it
+    at = [next(i for i, c in enumerate(calls) if c.name == name) for name in names]
     per_layer = tuple(bound_arguments(layer, calls[i].args, calls[i].kwargs)[0] for layer, i in zip(layers, at))
     embed = embed_name(model, base)
     pre = tuple(
@@ -72,4 +84,27 @@ def _handed(cls: type, small: Any, blocks: str) -> Handed | None:
         and c.args[0].shape[:2] == ids.shape
         and isinstance(c.out, torch.Tensor)
     )
-    return Handed(small, per_layer, pre, tuple(ids.shape))
+    changed = _changed_outside(model, calls[: at[0] + 1], embed, ids)
+    return Handed(small, per_layer, pre, tuple(ids.shape), runs, changed)
+
+
+def _changed_outside(model: nn.Module, calls: list[Call], embed: str, ids: torch.Tensor) -> str | None:
+    """The first call (the first layer last in `calls`) whose hidden-state input is not the embedding's output as
+    the modules before it left it (each module on the hidden state replacing it, a position embedding added, the
+    config's own transform first: extras.after_embed): the forward changed it outside any module (CTRL's scaling and
+    sinusoidal positions, RecurrentGemma's normalizer); None where nothing was."""
+    start = next((i for i, c in enumerate(calls) if c.name == embed), None)
+    if start is None or not isinstance(calls[start].out, torch.Tensor):
+        return None
+    after = after_embed(model.config)
+    h = after(calls[start].out) if after is not None else calls[start].out
+    for call in (c for c in calls[start + 1 :] if c.kind != "wrapper"):  # a wrapper returns what it ran
+        first = call.args[0] if call.args else call.kwargs.get("hidden_states", next(iter(call.kwargs.values()), None))
+        hidden = isinstance(first, torch.Tensor) and first.is_floating_point() and first.shape == h.shape
+        if call is calls[-1] or (hidden and isinstance(call.out, torch.Tensor) and call.out.shape == h.shape):
+            if not (hidden and torch.allclose(first, h, rtol=1e-6, atol=1e-6)):
+                return call.name
+            h = call.out
+        elif isinstance(out := call.out, torch.Tensor) and out.is_floating_point() and out.shape[-2:] == h.shape[-2:]:
+            h = h + out  # a learned position embedding (GPT-2's wpe), added
+    return None

@@ -27,18 +27,17 @@ from torch import nn
 from pp_tp.errors import ConfigError
 from pp_tp.layout import ModelDims, ModelLayout
 from pp_tp.models.hf import hyper
-from pp_tp.models.hf.block_context import BlockContext
+from pp_tp.models.hf.block_context import BlockContext, layer_types_of
 from pp_tp.models.hf.buffers import init_buffers
 from pp_tp.models.hf.discover import ComputedInputs, EmbedCall, PpPlan, discover, embedding_parent
 from pp_tp.models.hf.experts import experts_spec
 from pp_tp.models.hf.extras import after_embed, after_head
-from pp_tp.models.hf.handed import handed
+from pp_tp.models.hf.handed import Handed, handed
 from pp_tp.models.hf.randomness import check_randomness
 from pp_tp.models.hf.self_check import self_check
 from pp_tp.models.hf.tp_plan import block_tp_plan
 from pp_tp.parallel.tensor_parallel import rules_present
 
-FULL, SLIDING = "full_attention", "sliding_attention"
 NO_LIMIT = 1 << 20  # max_seq_len of a family declaring no position limit
 
 
@@ -119,14 +118,7 @@ def _module_name(model: nn.Module, module: nn.Module | None, what: str) -> str:
 
 def _layer_types(model: nn.Module, n_layers: int) -> list[str]:
     """Each layer's type, as the model's forward picks its mask (mixers.LayerMasks refuses one it cannot)."""
-    return _layer_types_of(model.config, n_layers)
-
-
-def _layer_types_of(config: Any, n_layers: int) -> list[str]:
-    types = getattr(config, "layer_types", None)
-    if types is not None:
-        return list(types[:n_layers])
-    return [SLIDING if getattr(config, "sliding_window", None) is not None else FULL] * n_layers
+    return layer_types_of(model.config, n_layers)
 
 
 def _dims(model: nn.Module) -> ModelDims:
@@ -206,17 +198,16 @@ def compose(model: nn.Module) -> ModelLayout:
     extra, collapse = _outside_plan(model, pp_plan)
     rotary = next((f"{prefix}.{n}" for n in extra if "position_ids" in _params(base.get_submodule(n).forward)), None)
     blocks = list(base.get_submodule(blocks_key).children())
-    _refuse_cross_layer_inputs(model, f"{prefix}.{blocks_key}", blocks)
+    found = handed(model, blocks_key) if prefix == embedding_parent(model) else None
+    _refuse_untraceable(model, f"{prefix}.{blocks_key}", found)
+    _refuse_cross_layer_inputs(model, f"{prefix}.{blocks_key}", blocks, found)
     types = dict(zip((id(b) for b in blocks), _layer_types(model, len(blocks))))
     block_kwargs = _params(blocks[0].forward) | pp_plan.block_kwargs | pp_plan.computed
     context = {"attention_mask", "position_ids", "position_embeddings"}
     if not block_kwargs & context and _takes_var_keywords(blocks[0]):
         block_kwargs |= context  # a layer naming none of them hands its **kwargs on (DeepSeek-V4)
     computed = ComputedInputs(model, pp_plan) if pp_plan.computed else None
-    ctx = BlockContext(model, rotary, types, block_kwargs, computed, pp_plan.mask_dtype)
-    found = handed(model, blocks_key) if prefix == embedding_parent(model) else None
-    if found is not None:
-        ctx.adopt(model, found, _layer_types_of(found.config, len(found.layers)))
+    ctx = BlockContext(model, rotary, types, block_kwargs, found, computed, pp_plan.mask_dtype)
     pre = tuple(n for n in (found.pre if found is not None else ()) if n not in pp_plan.after_embed)
     attention = next((n for n, m in blocks[0].named_children() if "Attention" in type(m).__name__), "self_attn")
     tp_plan, tp_refusal = block_tp_plan(model, blocks_key, blocks)
@@ -288,10 +279,34 @@ def _takes_var_keywords(block: nn.Module) -> bool:
     return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(block.forward).parameters.values())
 
 
-def _refuse_cross_layer_inputs(model: nn.Module, blocks_fqn: str, blocks: list[nn.Module]) -> None:
+def _refuse_untraceable(model: nn.Module, blocks_fqn: str, found: Handed | None) -> None:
+    """Refuses what the traced forward (`found`) shows a stage cannot do the same way: layers looped or skipped (Dory's
+    recurrent section, Mllama's cross-attention layers on text alone), or the embedding's output changed by the
+    forward's own code before the first layer (CTRL's scale and sinusoidal positions, RecurrentGemma's normalizer)."""
+    if found is None:
+        return
+    if not found.run_once_in_order():
+        raise _refuse(
+            model,
+            f"its forward runs the layers of {blocks_fqn} of its small copy in the order {list(found.runs)} (looped "
+            "or skipped on token ids alone), while pp_tp runs each layer once, in order; register a layout for it",
+        )
+    if found.changed_before is not None:
+        raise _refuse(
+            model,
+            f"its forward changes the embedding's output outside any module before it runs {found.changed_before} "
+            "(a scale or positions of its own code), which pp_tp does not carry into the first stage; register a "
+            "layout for it",
+        )
+
+
+def _refuse_cross_layer_inputs(
+    model: nn.Module, blocks_fqn: str, blocks: list[nn.Module], found: Handed | None
+) -> None:
     """Refuses layers that need more than the hidden state and the block context: a module routing by token ids
-    (DeepSeek-V4's hash-routed MoE: stages after the first never receive the ids), or keys and values another layer
-    computed (Gemma 4's `num_kv_shared_layers`, which the model's own forward hands from layer to layer)."""
+    (DeepSeek-V4's hash-routed MoE: stages after the first never receive the ids), a value the previous layer
+    returned that the traced forward (`found`) really hands on, or keys and values another layer computed (Gemma 4's
+    `num_kv_shared_layers`, which the model's own forward hands from layer to layer)."""
     for i, block in enumerate(blocks):
         for name, module in block.named_modules():
             ids = inspect.signature(module.forward).parameters.get("input_ids")
@@ -301,11 +316,12 @@ def _refuse_cross_layer_inputs(model: nn.Module, blocks_fqn: str, blocks: list[n
                     f"{blocks_fqn}.{i}.{name} ({type(module).__name__}) routes by the token ids, which pp_tp does not "
                     "hand to layers (stages after the first never receive them); register a layout for it",
                 )
-    threaded = _threaded_state(model, blocks_fqn.rpartition(".")[2])
-    if threaded:
+    threaded = _threaded_state(model, blocks_fqn.rpartition(".")[2], blocks[0])
+    # Threaded in the source, but None for every layer in a forward without cache (RWKV's `state`): nothing to carry.
+    if threaded and (found is None or any(layer.get(threaded[0]) is not None for layer in found.layers)):
         raise _refuse(
             model,
-            f"its forward hands each layer the previous layer's {threaded[1]!r} (as {threaded[0]!r}), which pp_tp "
+            f"its forward hands each layer the previous layer's {threaded[2]!r} (as {threaded[1]!r}), which pp_tp "
             "does not carry from layer to layer or across stages; register a layout for it",
         )
     shared = getattr(model.config, "num_kv_shared_layers", 0) or 0
@@ -317,32 +333,34 @@ def _refuse_cross_layer_inputs(model: nn.Module, blocks_fqn: str, blocks: list[n
         )
 
 
-def _threaded_state(model: nn.Module, blocks_key: str) -> tuple[str, str] | None:
-    """(keyword or argument position, value) where the base model's forward, in its loop over `self.<blocks_key>`,
-    passes a layer a value the previous layer returned (HY-V4: `hidden_states, topk_indices = layer(...,
-    prev_topk_indices=topk_indices)`; Zaya positionally);
-    None when it passes none (or its source cannot be read)."""
+def _threaded_state(model: nn.Module, blocks_key: str, block: nn.Module) -> tuple[str, str, str] | None:
+    """(the layer's parameter, how it is passed: its keyword or `argument i`, the value) where the base model's
+    forward, in a loop over `self.<blocks_key>`, passes a layer, beside its hidden state, a value the previous layer
+    returned (HY-V4: `hidden_states, topk_indices = layer(..., prev_topk_indices=topk_indices)`; Zaya positionally);
+    None when it passes none (or its source cannot be read). The hidden state may go by any name (xLSTM's
+    `hidden_states_chunk`)."""
     base = model.get_submodule(embedding_parent(model))
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(type(base).forward)))
     except (OSError, TypeError, SyntaxError):
         return None
+    params = list(inspect.signature(block.forward).parameters) or [""]
     for loop in ast.walk(tree):
         if not (isinstance(loop, ast.For) and blocks_key in ast.unparse(loop.iter)):
             continue
+        layer_names = {t.id for t in ast.walk(loop.target) if isinstance(t, ast.Name)}
         for node in ast.walk(loop):
-            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
-                returned = {t.id for t in ast.walk(node.targets[0]) if isinstance(t, ast.Name)}
-                for kw in node.value.keywords:
-                    if isinstance(kw.value, ast.Name) and kw.value.id in returned - {"hidden_states"}:
-                        return kw.arg or "", kw.value.id
-                called = node.value.func
-                layer_call = isinstance(called, ast.Name) and called.id in {
-                    t.id for t in ast.walk(loop.target) if isinstance(t, ast.Name)
-                }
-                for i, arg in enumerate(node.value.args if layer_call else ()):  # Zaya: `h, prev = layer(h, prev)`
-                    if isinstance(arg, ast.Name) and arg.id in returned - {"hidden_states"}:
-                        return f"argument {i + 1}", arg.id
+            if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)):
+                continue
+            returned = {t.id for t in ast.walk(node.targets[0]) if isinstance(t, ast.Name)}
+            called = node.value.func
+            layer_call = isinstance(called, ast.Name) and called.id in layer_names
+            passed = [(kw.arg, kw.arg, kw.value) for kw in node.value.keywords if kw.arg]
+            args = node.value.args[: len(params)] if layer_call else []  # by the parameter each binds to
+            passed += [(params[i], f"argument {i + 1}", arg) for i, arg in enumerate(args)]
+            for name, shown, value in passed:
+                if name != params[0] and isinstance(value, ast.Name) and value.id in returned - {"hidden_states"}:
+                    return name, shown, value.id
     return None
 
 

@@ -81,6 +81,8 @@ _DERIVED: dict[str, Callable[[Any, Any], Any]] = {
     "num_blocks": lambda s, o: s.num_hidden_layers,
     "hybrid_layer_ids": lambda s, o: [i for i, t in enumerate(s.layers_block_type) if t == "hybrid"],
 }
+# Attention windows and chunks (BLT's local encoder takes its window from `local_attention_window_len`).
+_WINDOWS = ("sliding_window", "attention_chunk_size", "local_attention_window_len")
 _EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
 _MOE_COUNTS = ("num_experts_per_tok", "n_shared_experts")  # set on a MoE family even where its default leaves None
 
@@ -107,7 +109,7 @@ def small_config(config):
             _set(small, key, value)
         elif key in unset and hasattr(small, key):
             _set(small, key, value)
-    for key in ("sliding_window", "attention_chunk_size"):  # windows and chunks shorter than SEQ really cut
+    for key in _WINDOWS:  # windows and chunks shorter than SEQ really cut
         if getattr(small, key, None) is not None:
             _set(small, key, WINDOW)
     proj = get("word_embed_proj_dim")
@@ -125,14 +127,28 @@ def small_config(config):
             setattr(small, key, 0)
     from transformers import PretrainedConfig  # here, so importing pp_tp does not import transformers
 
-    for key in getattr(config, "sub_configs", {}):  # BLT: its encoder, global and decoder configs, each shrunk
-        sub = get(key)
-        if isinstance(sub, PretrainedConfig):
-            setattr(small, key, small_config(sub))
+    subs = [k for k in getattr(config, "sub_configs", {}) if isinstance(get(k), PretrainedConfig)]
+    for key in subs:  # BLT: its encoder, global and decoder configs, each shrunk
+        setattr(small, key, small_config(get(key)))
+    _retie_sub_configs(small, subs)
     for key, derive in _DERIVED.items():
         if get(key) is not None:
             _set(small, key, derive(small, config))
     return small
+
+
+def _retie_sub_configs(small, subs: list[str]) -> None:
+    """The shrunk sub-configs as the config's own __post_init__ derives them from the shrunk whole (BLT: its global
+    transformer's projection in, its local encoder's window), by rebuilding it; a config that will not rebuild keeps
+    them as shrunk (its own validation refusing the rebuild is no reason to refuse the copy)."""
+    if not subs:
+        return
+    try:
+        rebuilt = type(small)(**small.to_dict())
+    except Exception:  # noqa: BLE001 - see above
+        return
+    for key in subs:
+        setattr(small, key, getattr(rebuilt, key))
 
 
 def _widths(config, n_layers: int) -> dict:
@@ -302,7 +318,7 @@ def _small_per_layer(config):
 def _scaled(key: str, value, before, after):
     """One layer's value of `key` in the small copy: windows as short as the global one, integer widths scaled as
     the global width was, anything else as it is."""
-    if key in ("sliding_window", "attention_chunk_size"):
+    if key in _WINDOWS:
         return None if value is None else WINDOW
     numbers = all(isinstance(x, int) and not isinstance(x, bool) for x in (value, before, after))
     if not numbers or before == after or not before:
