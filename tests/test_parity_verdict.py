@@ -101,3 +101,26 @@ def test_every_shipped_cpu_config_passes_parity_with_its_defaults(world):
     assert len(SHIPPED) >= 6, SHIPPED
     for codes in world(4).run(shipped_case):
         assert codes == [0] * len(SHIPPED), dict(zip(SHIPPED, codes))
+
+
+def _failing_loss(model, ids, labels):
+    raise ValueError("planted reference failure")
+
+
+def failing_reference_case() -> str:
+    """The fp32 reference fails on the rank that steps it: every rank must end with that error, none may wait."""
+    pcfg = pu.pcfg_of(pp=2, tp=2, schedule="1F1B", microbatches=2)
+    state = pu.reference_state(pu.TINY)
+    run = pu.pipeline(pcfg, copy.deepcopy(state), pu.TINY)
+    ref = pu.reference(state, pu.TINY)
+    ref.loss_of = _failing_loss
+    try:
+        list(lockstep(PipelineRun(run.pipe, pu.adamw()), ref, [pu.batch(pu.TINY, 8, 16)]))
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_reference_failing_on_its_rank_ends_every_rank(world):
+    for message in world(4).run(failing_reference_case):
+        assert "failed: ValueError: planted reference failure" in message, message

@@ -44,20 +44,34 @@ def owners(world_covered: bool) -> tuple[int | None, int | None]:
 
 def step_on(owned: tuple[tuple[int | None, ReferenceRun], ...], batch: tuple[torch.Tensor, ...]) -> None:
     """Each (owner, run) `run.step(*batch)` on its owner rank (every rank for owner None), the owners at once, then
-    mirrored from its owner into every other rank's copy."""
+    mirrored from its owner into every other rank's copy. A step failing on its owner fails on every rank (its
+    error is what the owner broadcasts), so no peer waits for a mirror that never comes."""
+    failed: dict[int, str] = {}
     for owner, run in owned:
-        if owner is None or dist.get_rank() == owner:
+        if owner is None:
             run.step(*batch)
+        elif dist.get_rank() == owner:
+            try:
+                run.step(*batch)
+            except Exception as e:  # noqa: BLE001 - sent to every peer below, then raised everywhere
+                failed[owner] = f"{type(e).__name__}: {e}"
     for owner, run in owned:
         if owner is None:
             continue
         payload: list[Any] = [None]
         if dist.get_rank() == owner:
-            cpu = {k: (None if t is None else t.detach().cpu()) for k, t in run.grads().items()}
-            payload = [(run.losses[-1], run.norms[-1:], cpu, _cpu(run.params()), _cpu(run.buffers()))]
+            payload = [failed[owner]] if owner in failed else [_results(run)]
         dist.broadcast_object_list(payload, src=owner)
+        if isinstance(payload[0], str):
+            raise RuntimeError(f"the reference run stepped on rank {owner} failed: {payload[0]}")
         if dist.get_rank() != owner:
             _mirror(run, *payload[0])
+
+
+def _results(run: ReferenceRun) -> tuple[Any, ...]:
+    """What the judges read after a step, on the CPU (what a peer's copy is set to)."""
+    grads = {k: (None if t is None else t.detach().cpu()) for k, t in run.grads().items()}
+    return run.losses[-1], run.norms[-1:], grads, _cpu(run.params()), _cpu(run.buffers())
 
 
 def load_on(owner: int | None, run: ReferenceRun, params: dict[str, torch.Tensor]) -> None:
