@@ -70,8 +70,7 @@ def step_on(owned: tuple[tuple[int | None, ReferenceRun], ...], batch: tuple[tor
 
 def _results(run: ReferenceRun) -> tuple[Any, ...]:
     """What the judges read after a step, on the CPU (what a peer's copy is set to)."""
-    grads = {k: (None if t is None else t.detach().cpu()) for k, t in run.grads().items()}
-    return run.losses[-1], run.norms[-1:], grads, _cpu(run.params()), _cpu(run.buffers())
+    return run.losses[-1], run.norms[-1:], _cpu(run.grads()), _cpu(run.params()), _cpu(run.buffers())
 
 
 def load_on(owner: int | None, run: ReferenceRun, params: dict[str, torch.Tensor]) -> None:
@@ -80,8 +79,9 @@ def load_on(owner: int | None, run: ReferenceRun, params: dict[str, torch.Tensor
         run.load(params)
 
 
-def _cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: t.detach().cpu() for k, t in tensors.items()}
+def _cpu(tensors: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
+    """Detached CPU copies; None (a parameter no gradient reaches) stays None."""
+    return {k: None if t is None else t.detach().cpu() for k, t in tensors.items()}
 
 
 @torch.no_grad()
