@@ -12,10 +12,15 @@ stirred), fp32. On 4 gloo ranks (one world for every family) the model's own for
 is the reference; `build_pipeline` with default options (pp2 x tp2, 1F1B, 2 microbatches; a dense family that
 declares no TP plan pp2 x dp_shard2, since tp > 1 is refused for it by design; MoE families pp2 x dp_shard2 x ep2,
 or `--moe-layout dp_shard` / `tp`) runs one `Pipeline.step` on the
-same weights and batch. Verdicts: exact (loss and every full gradient within tolerance, persistent buffers equal,
-parameters covered), refused (the same one-line ConfigError on every rank), wrong (anything else), skipped (the
-reference itself could not be built or run: not pp_tp's doing). Dropout a default config turns on is set to 0 (the
-note says so): two builds draw different random masks. Exit code 1 when any family is wrong.
+same weights and batch. The loss and every full gradient are judged as pp_tp.parity judges a step (its `judge`):
+against a float64 run of the plain model, the plain fp32 run being the yardstick, so no tolerance is tuned to one
+machine. Each scores err(pipeline, f64) / (FACTOR * err(plain fp32, f64) + floor) and passes at a score <= 1; the
+table's "loss score" and "worst grad score" columns are the worst scores over the ranks. Verdicts: exact (loss and
+every full gradient pass, persistent buffers equal the plain fp32 run's, parameters covered), refused (the same
+one-line ConfigError on every rank), wrong (anything else), skipped (the reference itself could not be built or run,
+in fp32 or float64: not pp_tp's doing; the float64 run comes after pp_tp's build, so a refusal still reads as one).
+Dropout a default config turns on is set to 0 (the note says so): two builds draw different random masks. Exit code
+1 when any family is wrong.
 """
 
 from __future__ import annotations
@@ -59,16 +64,18 @@ from pp_tp.models.hf.tp_plan import declared_tp_plan
 from pp_tp.models.reference.model import ModelArgs
 from pp_tp.parallel.tensor_parallel import block_plan
 from pp_tp.parallel.tp_styles import TP_STYLES
-from pp_tp.parity import dp_share, mean_token_loss, rel_err
+from pp_tp.parity import FACTOR, FLOOR_ULPS, ReferenceRun, dp_share, floor_for, judge
+from pp_tp.parity.lockstep import Judged
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORLD = 4
 ROWS, SEQ = 8, 16
 MIN_POSITIONS = 64
-DENSE_TOL, MOE_TOL, LOSS_TOL = 1e-5, 1e-4, 1e-5
+FLOOR = floor_for(torch.float32)  # every build here computes in fp32
 CASE_TIMEOUT_S = 300.0
 MAX_PARAMS = 10_000_000  # 4 ranks hold two copies each: a family small_config leaves large would not fit
 _EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
+_MOE_SWITCHES = ("enable_moe_block", "is_moe")
 
 
 class Skip(Exception):
@@ -117,7 +124,10 @@ def _class_name(model_type: str) -> str:
 
 
 def is_moe(config: Any) -> bool:
-    """More than one expert: these run with the MoE layout (`--moe-layout`)."""
+    """More than one expert, and no config switch turning its MoE blocks off (Gemma 4's `enable_moe_block`, Doge's
+    `is_moe`: their default builds are dense): these run with the MoE layout (`--moe-layout`)."""
+    if any(getattr(config, k, None) is False for k in _MOE_SWITCHES):
+        return False
     return max((getattr(config, k, None) or 0 for k in _EXPERT_COUNTS), default=0) > 1
 
 
@@ -216,7 +226,8 @@ def _dropout_keys(config: Any) -> list[str]:
 
 
 def family_case(model_type: str, moe_layout: str = "ep") -> dict[str, Any]:
-    """On this rank: the model's own step on the whole batch against one Pipeline.step on this rank's share.
+    """On this rank: the model's own step on the whole batch, in fp32 and in float64, against one Pipeline.step on
+    this rank's share.
 
     Every failure comes back as data (`skipped`, `refused` or `error`), so one family never ends the world."""
     try:
@@ -230,20 +241,16 @@ def family_case(model_type: str, moe_layout: str = "ep") -> dict[str, Any]:
     out: dict[str, Any] = {
         "family": type(model).__name__,
         "layout": layout_name(pcfg),
-        "moe": is_moe(config),
         "attn": attn,
         "dropout": _dropout_keys(CONFIG_MAPPING[model_type]()),
     }
-    noise = noise_keys(model)  # random draws beyond dropout: pp_tp builds with them on, both runs compare without
+    noise = noise_keys(model)  # random draws beyond dropout: pp_tp builds with them on, the runs compare without
     out["noise"] = switch_off_noise(model, noise)
     try:
-        torch.manual_seed(0)
-        want_loss = mean_token_loss(model, ids, labels)
-        want_loss.backward()
-    except Exception as e:  # noqa: BLE001 - the model's own forward failing is not pp_tp's doing
-        return {"skipped": f"reference run: {_one_line(e)}"}
-    params = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
+        plain, truth = references(model)
+        step_reference(plain, ids, labels)
+    except Skip as e:
+        return {"skipped": str(e)}
     mesh = mesh_for(pcfg)
     try:
         pipe = pp_tp.build_pipeline(pipelined, mesh, pcfg)
@@ -251,33 +258,73 @@ def family_case(model_type: str, moe_layout: str = "ep") -> dict[str, Any]:
         return {**out, "refused": str(e)}
     except Exception as e:  # noqa: BLE001 - a crash inside pp_tp is the sweep's finding
         return {**out, "error": f"build_pipeline: {_one_line(e)}"}
+    try:  # after the build: a family pp_tp refuses needs no truth (Inkling2 routes in fp32 whatever the dtype)
+        step_reference(truth, ids, labels)
+    except Skip as e:
+        return {**out, "skipped": str(e)}
     for part in pipe.model_parts:
         switch_off_noise(part, noise)
     try:
         torch.manual_seed(0)
         loss = pipe.step(dp_share(mesh, ids), dp_share(mesh, labels)).item()
-        grad_errs, bad_buffers, covered = {}, [], []
-        for part in pipe.model_parts:
-            for local, p in part.named_parameters():
-                key = part.checkpoint_keys[local]
-                want = params[key].grad if params[key].grad is not None else torch.zeros_like(params[key])
-                got = full_tensor(p.grad) if p.grad is not None else torch.zeros_like(want)
-                grad_errs[key] = rel_err(got, want)
-                covered.append(key)
-            for name, b in persistent_buffers(part).items():
-                b = full_tensor(b)
-                if name not in buffers or b.shape != buffers[name].shape or not torch.equal(b, buffers[name]):
-                    bad_buffers.append(name)
+        judged = judged_step(pipe, loss, plain, truth)
     except Exception as e:  # noqa: BLE001
         return {**out, "error": f"Pipeline.step: {_one_line(e)}"}
+    return {**out, **judged, "mixers": mixer_tp(pipe) if pcfg.tp > 1 else "", "params": sorted(plain.params())}
+
+
+# The sweep judges one forward + backward; ReferenceRun's step always ends in an optimizer step, this one moves
+# nothing.
+_NO_UPDATE = lambda params: torch.optim.SGD(params, lr=0.0)  # noqa: E731
+
+
+def references(model: torch.nn.Module) -> tuple[ReferenceRun, ReferenceRun]:
+    """The plain fp32 model and its float64 copy (`ReferenceRun.in_float64`), not yet stepped: the yardstick and
+    the truth. Raises `Skip` when the copy fails (not pp_tp's doing)."""
+    plain = ReferenceRun(model, _NO_UPDATE)
+    try:
+        return plain, plain.in_float64()
+    except Exception as e:  # noqa: BLE001 - a model that cannot be copied to float64 leaves no truth to judge by
+        raise Skip(f"float64 copy: {_one_line(e)}") from e
+
+
+def step_reference(run: ReferenceRun, ids: torch.Tensor, labels: torch.Tensor) -> None:
+    """`run`'s forward + backward on the whole batch; raises `Skip` when it fails (the model's own forward failing,
+    in fp32 or float64, is not pp_tp's doing)."""
+    try:
+        torch.manual_seed(0)
+        run.step(ids, labels)
+    except Exception as e:  # noqa: BLE001
+        dtype = next(run.model.parameters()).dtype
+        raise Skip(f"{'float64 ' if dtype == torch.float64 else ''}reference run: {_one_line(e)}") from e
+
+
+def _grads(run: ReferenceRun) -> dict[str, torch.Tensor]:
+    """The run's gradients by canonical name, zeros where none reached (the pipeline's missing ones count the same)."""
+    return {k: torch.zeros_like(p) if p.grad is None else p.grad for k, p in run.model.named_parameters()}
+
+
+def judged_step(pipe: pp_tp.Pipeline, loss: float, plain: ReferenceRun, truth: ReferenceRun) -> dict[str, Any]:
+    """This rank's share of the verdict after `pipe`'s step (pp_tp.parity's `judge` at the fp32 floor): the loss and
+    the worst of its full gradients against the float64 truth, the plain fp32 run the yardstick; the parameters it
+    covers (canonical names); the persistent buffers that differ from the plain run's at all."""
+    want, true = _grads(plain), _grads(truth)
+    ref_buffers = dict(plain.model.named_buffers())
+    got, keys, bad_buffers = {}, {}, []
+    for i, part in enumerate(pipe.model_parts):
+        for local, p in part.named_parameters():
+            keys[f"{i}.{local}"] = key = part.checkpoint_keys[local]  # stage-qualified: a tied copy is its own
+            got[f"{i}.{local}"] = torch.zeros_like(want[key]) if p.grad is None else full_tensor(p.grad)
+        for name, b in persistent_buffers(part).items():
+            b, ref = full_tensor(b), ref_buffers.get(name)
+            if ref is None or b.shape != ref.shape or not torch.equal(b, ref):
+                bad_buffers.append(name)
+    scalar = lambda x: {"loss": torch.tensor(x, dtype=torch.float64)}  # noqa: E731
     return {
-        **out,
-        "mixers": mixer_tp(pipe) if pcfg.tp > 1 else "",
-        "loss_err": abs(loss - want_loss.item()) / abs(want_loss.item()),
-        "grad_errs": grad_errs,
+        "loss": judge(scalar(loss), scalar(plain.losses[-1]), scalar(truth.losses[-1]), {}, FLOOR),
+        "grads": judge(got, want, true, keys, FLOOR),
+        "covered": sorted(set(keys.values())),
         "bad_buffers": bad_buffers,
-        "covered": covered,
-        "params": sorted(params),
     }
 
 
@@ -306,8 +353,8 @@ class Row:
     family: str
     layout: str
     verdict: str  # exact | refused | wrong | skipped
-    loss_err: float | None = None
-    grad_err: float | None = None
+    loss_score: float | None = None  # the pipelined loss's score against the float64 truth (passes at <= 1)
+    grad_score: float | None = None  # the worst full gradient's score, over every rank
     mixers: str = ""
     note: str = ""
 
@@ -328,17 +375,13 @@ def classify(model_type: str, per_rank: Sequence[dict[str, Any]]) -> Row:
         why = r.get("error") or r.get("refused") or r.get("skipped")
         row.note = f"ranks answered {kinds}; rank {rank}: {why}" if len(set(kinds)) > 1 else f"rank {rank}: {why}"
         return row
-    row.loss_err = max(r["loss_err"] for r in per_rank)
-    worst = max(((e, k) for r in per_rank for k, e in r["grad_errs"].items()), default=(0.0, ""))
-    row.grad_err = worst[0]
-    tol = MOE_TOL if first["moe"] else DENSE_TOL
+    loss = max((r["loss"] for r in per_rank), key=lambda j: j.score)
+    grads = max((r["grads"] for r in per_rank), key=lambda j: j.score)
+    row.loss_score, row.grad_score = loss.score, grads.score
     missing = sorted(set(first["params"]) - {k for r in per_rank for k in r["covered"]})
     bad_buffers = sorted({b for r in per_rank for b in r["bad_buffers"]})
-    problems = []
-    if row.loss_err > LOSS_TOL:
-        problems.append(f"loss off by {row.loss_err:.1e}")
-    if row.grad_err > tol:
-        problems.append(f"worst grad {worst[1]}")
+    problems = [_off("loss", loss)] if not loss.passed else []
+    problems += [_off(f"worst grad {grads.name}", grads)] if not grads.passed else []
     if bad_buffers:
         problems.append(f"buffers differ: {', '.join(bad_buffers[:3])}" + (" ..." if len(bad_buffers) > 3 else ""))
     if missing:
@@ -357,6 +400,11 @@ def classify(model_type: str, per_rank: Sequence[dict[str, Any]]) -> Row:
     return row
 
 
+def _off(what: str, j: Judged) -> str:
+    """A failed score in words: how far the pipelined run is from float64, against the plain fp32 run's distance."""
+    return f"{what} {j.score:.3g}x its bound: {j.pipe:.1e} off float64 (plain fp32 {j.plain:.1e})"
+
+
 def sweep(names: Sequence[str], world: World, moe_layout: str = "ep") -> list[Row]:
     """Every family in `names` on the `WORLD`-rank `world`, one case each; after a rank crash or an exception
     inside pp_tp the world restarts, so later families start from clean process groups."""
@@ -369,7 +417,7 @@ def sweep(names: Sequence[str], world: World, moe_layout: str = "ep") -> list[Ro
             row = classify(name, world.run(family_case, name, moe_layout, timeout=CASE_TIMEOUT_S))
         except RankError as e:  # the world is gone already; the next run starts a fresh one
             row = Row(name, _class_name(name), "", "wrong", note=f"rank crash: {str(e).splitlines()[0]}")
-        if row.verdict == "wrong" and row.loss_err is None:  # an exception: a collective may have stopped midway
+        if row.verdict == "wrong" and row.loss_score is None:  # an exception: a collective may have stopped midway
             world.close()  # so the next family starts on fresh process groups
         rows.append(row)
         print(f"[{i + 1}/{len(names)}] {name}: {row.verdict} ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
@@ -378,18 +426,20 @@ def sweep(names: Sequence[str], world: World, moe_layout: str = "ep") -> list[Ro
 
 def markdown(rows: Sequence[Row]) -> str:
     """The table, then one line of counts per verdict."""
-    fmt = lambda x: "" if x is None else f"{x:.1e}"  # noqa: E731
+    fmt = lambda x: "" if x is None else f"{x:.2g}"  # noqa: E731
     lines = [
         f"Made by `python bench/family_sweep.py --out docs/family_sweep.md` (torch {torch.__version__}, "
-        f"transformers {transformers.__version__}, 4 gloo ranks).",
+        f"transformers {transformers.__version__}, 4 gloo ranks). Loss score, worst grad score: the pipelined "
+        f"value's distance to a float64 run of the plain model over ({FACTOR:g} x the plain fp32 run's distance + "
+        f"{FLOOR_ULPS} fp32 ulps), worst over the ranks; exact needs both <= 1 (pp_tp.parity's verdict).",
         "",
-        "| family | model type | layout | verdict | loss err | worst grad err | TP of mixers | note |",
+        "| family | model type | layout | verdict | loss score | worst grad score | TP of mixers | note |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         note = r.note.replace("|", "\\|").replace("\n", " ")
         lines.append(
-            f"| {r.family} | {r.model_type} | {r.layout} | {r.verdict} | {fmt(r.loss_err)} | {fmt(r.grad_err)} "
+            f"| {r.family} | {r.model_type} | {r.layout} | {r.verdict} | {fmt(r.loss_score)} | {fmt(r.grad_score)} "
             f"| {r.mixers} | {note} |"
         )
     counts = Counter(r.verdict for r in rows)

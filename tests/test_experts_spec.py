@@ -185,3 +185,52 @@ def test_toy_family_runs_expert_parallel_and_tp_of_experts_from_its_record(world
             pu.assert_passes(r, kw)
             assert r["split"], (kw, r)
             assert r["counted"] == 8 * 16 * 2, (kw, r)  # every token's top-2 slots, one MoE layer per pp rank
+
+
+# --- (c) experts found by structure, and stored so that no split keeps an expert together -------------------------
+
+
+def test_grouped_probe_proves_jetmoe_experts_and_rejects_a_mixing_forward():
+    """JetMoE's ParallelExperts (declared nowhere) take (rows sorted by expert, rows per expert as a list): the
+    probe proves row group e runs through expert e's weights alone; a forward that reads one expert's weights for
+    every group fails it. Routing counts read the list form."""
+    from transformers.models.jetmoe.modeling_jetmoe import JetMoeParallelExperts
+
+    from pp_tp.models.hf.experts import _groups_per_expert
+
+    torch.manual_seed(0)
+    experts = JetMoeParallelExperts(4, 8, 6)
+    nn.init.normal_(experts.weight)
+    rows, counts = torch.randn(10, 8), [1, 2, 3, 4]
+    with torch.no_grad():
+        assert _groups_per_expert(experts, rows, counts)
+
+    class Mixing(JetMoeParallelExperts):
+        def forward(self, inputs, expert_size):
+            return F.linear(inputs, self.weight[0])
+
+    mixing = Mixing(4, 8, 6)
+    mixing.weight.data.copy_(experts.weight.data)
+    with torch.no_grad():
+        assert not _groups_per_expert(mixing, rows, counts)
+    spec = ExpertsSpec(modules=("mlp.input_linear",), n_experts=4, top_k=2, grouped=True, weights=None)
+    assert spec.routing_counts((rows, counts)).tolist() == counts
+
+
+def test_longcat_identity_experts_refused_naming_the_unequal_counts():
+    """LongCat-Flash's gate/up holds rows for its identity experts too and its down only the routed ones: refused
+    in one line saying which parameter holds how many."""
+    from transformers import AutoConfig
+    from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashExperts
+
+    from pp_tp.errors import ConfigError
+    from pp_tp.parallel.experts import _check_module
+
+    config = AutoConfig.for_model("longcat_flash", n_routed_experts=4, zero_expert_num=2, hidden_size=8)
+    config.expert_ffn_hidden_size = 4
+    with torch.device("meta"):
+        experts = LongcatFlashExperts(config)
+    spec = ExpertsSpec(modules=("mlp.experts",), n_experts=6, top_k=2)
+    with pytest.raises(ConfigError, match=r"gate_up_proj holds 6 experts on dim 0 and down_proj 4 \(the 2 more") as e:
+        _check_module("model.layers.0.mlp.experts", experts, spec)
+    assert "\n" not in str(e.value)

@@ -1,7 +1,8 @@
 """Hugging Face causal LMs that declare no `base_model_pp_plan`: structure found from their own forward
 (pp_tp/models/hf/discover.py: through wrappers such as BERT's `encoder`, with no final norm, with ALiBi biases the
 family's own code computes per microbatch shape; RWKV, whose forward threads a state from layer to layer only with a
-cache), exact against the model's own run, or refused in one line (CTRL); Llama 4 (text); and
+cache; CTRL, whose forward scales its embeddings and adds sinusoidal positions in its own code), exact against the
+model's own run, or refused in one line; Llama 4 (text); and
 randomness beyond dropout in a family's training forward (pp_tp/models/hf/randomness.py), accepted
 outside TP regions.
 
@@ -104,9 +105,48 @@ def test_the_gpt2_first_stage_adds_learned_positions_as_its_forward_does():
 def test_structures_it_cannot_prove_are_refused_in_one_line():
     one_line("xlnet", r"XLNetLMHeadModel: its forward calls dropout more than once")  # two-stream, before collectives
     one_line("opt", r"runs \['final_layer_norm', 'project_out'\] after its layers", word_embed_proj_dim=16)
-    # CTRL scales its embeddings and adds sinusoidal positions in its own code, not in a module
-    one_line("ctrl", r"CTRLLMHeadModel: its forward changes the embedding's output outside any module before it runs "
-             r"dropout")  # fmt: skip
+
+
+def _first_layer_input(model: torch.nn.Module, blocks: str, ids: torch.Tensor, positions: torch.Tensor | None):
+    """What the model's own forward hands its first layer."""
+    seen = []
+    hook = model.get_submodule(blocks)[0].register_forward_pre_hook(lambda m, a: seen.append(a[0]))
+    with torch.no_grad():
+        model(input_ids=ids, position_ids=positions, use_cache=False)
+    hook.remove()
+    return seen[0]
+
+
+def test_the_ctrl_first_stage_replays_its_forwards_scale_and_sinusoidal_positions():
+    """CTRL scales its embeddings by sqrt(d) and adds a sinusoidal table in its own code, not in a module: the first
+    stage replays that code (pp_tp/models/hf/prelayer.py), bit for bit, packed documents' positions included."""
+    from pp_tp.split.plan import StageSpec
+    from pp_tp.stages.stage_module import StageModule
+
+    torch.manual_seed(0)
+    model = make("ctrl").eval()
+    lay = layout_for(model)
+    assert (lay.embed, lay.blocks, lay.after_embed_modules) == ("transformer.w", "transformer.h",
+                                                                ("transformer.dropout",))  # fmt: skip
+    first = StageModule(model, lay, StageSpec(0, 0, True, [], False, [lay.embed, *lay.after_embed_modules]))
+    ids = torch.randint(0, VOCAB, (2, 8))
+    for positions in (None, torch.arange(8).repeat(2, 1) % 5 + 3):
+        with torch.no_grad():
+            got = first(ids, positions)
+        assert torch.equal(got, _first_layer_input(model, lay.blocks, ids, positions))
+
+
+def test_the_modules_between_base_model_and_head_are_found_from_the_forward():
+    """ModernBERT-decoder runs a prediction head (dense, activation, norm) between its final norm and its decoder
+    Linear (pp_tp/models/hf/head_path.py); GPT-2 runs nothing there."""
+    from pp_tp.models.hf.head_path import before_head
+
+    config = T.ModernBertDecoderConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                       intermediate_size=64, **IDS)  # fmt: skip
+    with torch.device("meta"):
+        model = T.AutoModelForCausalLM.from_config(config)
+    assert before_head(model) == ("lm_head",)
+    assert before_head(make("gpt2", "meta")) == ()
 
 
 def test_wrapped_layers_no_final_norm_and_alibi_are_found():
@@ -162,6 +202,7 @@ CASES = [
     ("mpt", DP2, {}),  # ALiBi as position_bias, its mask handed to layers as bool
     ("bert-generation", DP2, {}),  # embeddings and layers inside wrappers, no final norm
     ("rwkv", DP2, {}),  # its forward threads a `state` from layer to layer only with a cache: None in training
+    ("ctrl", DP2, {}),  # its scale and sinusoidal positions in its own code, replayed by the first stage
 ]
 
 

@@ -1,15 +1,20 @@
 """Hyper-connections (DeepSeek-V4: a `[B, S, hc_mult, D]` residual stream across stage boundaries, `hc_head` before
-the final norm) and per-layer configs (Gemma 4: `head_dim` per layer through `config.per_layer_config[i]`), exact
-against the model's own run (fp32: loss, every full gradient, parameters after two AdamW steps; test_hf_families'
-lockstep), and what cannot be given exactly refused in one line.
+the final norm), token ids on every stage (DeepSeek-V4's hash-routed MoE layers), per-layer configs (Gemma 4: `head_dim`
+per layer through `config.per_layer_config[i]`) and per-layer inputs (Gemma 4's, packed beside the hidden state across
+stage boundaries), exact against the model's own run (fp32: loss, every full gradient, parameters after two AdamW
+steps; test_hf_families' lockstep), and what cannot be given exactly refused in one line.
 
 DeepSeek-V4 runs at pp2 x ep2 (experts split over ep, FSDP over dp_shard 2), not at tp2: its attention is shared-KV
 MQA (one KV head), which the preflight's head check refuses at tp 2 although V4's declared TP plan splits only the
-experts. Its hash-routed MoE layers read the token ids, which later stages never receive: the test model routes
-every layer by score (`mlp_layer_types` all "moe"); the default config is refused in one line.
+experts. Its hash-routed layers route by `tid2eid[input_ids]`, all zeros at init (every token to expert 0, whatever
+its id): the hash-routed case fills the table so that the route depends on the id, and puts a hash-routed layer on
+each stage.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -26,13 +31,15 @@ from pp_tp.models.hf.self_check import small_config
 GEMMA4 = dict(  # over test_hf_families.BASE
     head_dim=8,
     global_head_dim=16,  # full-attention layers: twice the sliding layers' head_dim, a per-layer value
-    hidden_size_per_layer_input=0,  # no per-layer embeddings (refused: weights outside embedding/layers/norm)
+    hidden_size_per_layer_input=8,  # per-layer inputs: [B, S, 4 layers, 8] packed beside the hidden state
+    vocab_size_per_layer_input=BASE["vocab_size"],
     sliding_window=4,
     layer_types=["sliding_attention", "full_attention"] * 2,
 )
 FAMILIES.update(
     {
         "deepseek_v4_score_routed": ("deepseek_v4", dict(mlp_layer_types=["moe"] * 4), "eager"),
+        "deepseek_v4_hash_routed": ("deepseek_v4", dict(mlp_layer_types=["moe", "hash_moe"] * 2), "eager"),
         "gemma4_per_layer_head_dim": (T.Gemma4TextConfig, GEMMA4, "sdpa"),
         # a parameterless norm the forward runs before its layers too; logits softcapped
         "nanochat_norm_before_layers": ("nanochat", {}, "sdpa"),
@@ -45,11 +52,34 @@ CASES = [
     ("gemma4_per_layer_head_dim", dict(pp=2, tp=2, schedule="1F1B", microbatches=2)),
     ("nanochat_norm_before_layers", dict(pp=2, tp=2, schedule="1F1B", microbatches=2)),
     ("moshi_causal_mask", dict(pp=2, dp_shard=2, schedule="1F1B", microbatches=2)),
+    ("deepseek_v4_hash_routed", dict(pp=2, dp_shard=2, ep=2, schedule="1F1B", microbatches=2)),
 ]
 
 
+@contextlib.contextmanager
+def _hash_table() -> Iterator[None]:
+    """DeepSeek-V4's hash routers with a table whose route depends on the token id (token t: experts 3t + j mod E)."""
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as V4
+
+    init = V4.DeepseekV4PreTrainedModel._init_weights
+
+    def filled(self, module):
+        init(self, module)
+        if isinstance(module, V4.DeepseekV4HashRouter):
+            t, j = torch.arange(module.tid2eid.shape[0])[:, None], torch.arange(module.tid2eid.shape[1])
+            with torch.no_grad():
+                module.tid2eid.copy_((3 * t + j) % module.num_experts)
+
+    V4.DeepseekV4PreTrainedModel._init_weights = filled
+    try:
+        yield
+    finally:
+        V4.DeepseekV4PreTrainedModel._init_weights = init
+
+
 def _run(cases: list[tuple[str, dict]]) -> list[dict]:
-    return [family_case(name, kw) for name, kw in cases]
+    with _hash_table():
+        return [family_case(name, kw) for name, kw in cases]
 
 
 def test_hyper_connections_and_per_layer_head_dims_are_exact(world):
@@ -64,6 +94,7 @@ def test_the_stream_crosses_the_boundary_whole_and_hc_head_runs_last():
     layout = layout_for(make("deepseek_v4_score_routed", "meta"))
     assert layout.before_norm_modules == ("model.hc_head",) and "model.hc_head" not in layout.shared
     assert layout.dims(make("deepseek_v4_score_routed", "meta")).streams == 4
+    assert not layout.block_ids  # no layer routes by the ids: later stages are not handed them
     h = torch.randn(2, 3, 32)
     assert torch.equal(layout.after_embed(h), h.unsqueeze(2).expand(-1, -1, 4, -1))
 
@@ -72,6 +103,7 @@ def test_per_layer_dims_divide_every_layer():
     """Gemma 4's head_dim 8 / 16 per layer: the dims hold their common divisor, so TP checks hold per layer."""
     dims = _dims(make("gemma4_per_layer_head_dim", "meta"))
     assert (dims.n_heads, dims.n_kv_heads, dims.head_dim) == (4, 2, 8)
+    assert dims.streams == 2  # the hidden state, then 4 layers x 8 per-layer input values in one stream of 32
     small = small_config(CONFIG_MAPPING["gemma4_text"]())
     assert [c.head_dim for c in small.per_layer_config] == [16, 32]  # default 256 / 512, shrunk alike
 
@@ -88,8 +120,7 @@ def test_tp_divisibility_is_checked_per_layer():
 @pytest.mark.parametrize(
     "model_type, extra, match",
     [
-        ("deepseek_v4", {}, r"model.layers.0.mlp.gate \(DeepseekV4HashRouter\) routes by the token ids"),
-        ("gemma4_text", {}, r"model.embed_tokens_per_layer holds weights outside embedding/layers/norm"),
+        ("gemma3n_text", {}, r"model.altup_projections holds weights outside embedding/layers/norm"),
         ("gemma4_text", dict(hidden_size_per_layer_input=0, num_kv_shared_layers=2), r"num_kv_shared_layers = 2"),
         ("hy_v4", {}, r"hands each layer the previous layer's 'topk_indices' \(as 'prev_topk_indices'\)"),
         ("zaya", {}, r"hands each layer the previous layer's 'prev_router_hidden_states' \(as 'argument 2'\)"),

@@ -45,7 +45,7 @@ class ExpertsSpec:
     ``n_experts`` / ``top_k``: experts per MoE layer and per token (top_k None: unknown; the planner refuses it).
     ``grouped``: the calling convention; False: routed, ``experts(hidden [T, D], top_k_index [T, k], top_k_weights
     [T, k])`` (transformers, the reference MoE); True: ``experts(tokens sorted by expert [N, D], tokens_per_expert
-    [E])`` (torchtitan's GroupedExperts, whose caller applies the scores).
+    [E] or a list of E ints)`` (torchtitan's GroupedExperts, JetMoE's ParallelExperts: their caller applies the scores).
     ``dense``: a third convention, ``experts(rows [E * T, D])``: every token at every expert, expert e reading the
     e-th of E equal contiguous row blocks (Llama 4, whose caller scales the rows by the routing scores first).
     ``weights``: the packed SwiGLU weights (None: stored otherwise, so no TP of experts); ``tp``: the family declares
@@ -88,6 +88,6 @@ class ExpertsSpec:
         if self.dense:
             rows = args[0].detach()
             return rows.reshape(self.n_experts, -1, rows.shape[-1]).ne(0).any(-1).sum(1).to(torch.int64)
-        if self.grouped:
-            return args[1].detach().to(torch.int64)
+        if self.grouped:  # rows per expert: a tensor (torchtitan) or a list of ints (JetMoE)
+            return torch.as_tensor(args[1], device=args[0].device).detach().to(torch.int64)
         return torch.bincount(args[1].detach().reshape(-1), minlength=self.n_experts)

@@ -104,7 +104,9 @@ class ModelLayout:
     @property
     def last_fqns(self) -> tuple[str, ...]:
         """The modules the last stage runs, in order, after its blocks."""
-        return self.post if not self.is_lm else tuple(f for f in (self.norm, self.head) if f)  # norm "": none
+        if not self.is_lm:
+            return self.post
+        return tuple(f for f in (self.norm, *self.before_head, self.head) if f)  # norm "": none
 
     @property
     def experts(self) -> tuple[str, ...]:
@@ -118,11 +120,20 @@ class ModelLayout:
 
     after_embed_modules: tuple[str, ...] = ()
     before_norm_modules: tuple[str, ...] = ()
+    # Modules with weights a language model runs between its final norm and its head (ModernBERT-decoder's
+    # prediction head); the last stage holds and runs them, in order.
+    before_head: tuple[str, ...] = ()
     document_block_inputs: Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[Any, ...]] | None = None
     # (stage, input_ids, position_ids or None) -> the first block's input, for a language model whose forward adds
     # more than the embedding (learned positions: GPT-2, OPT); it replaces embed -> after_embed ->
     # after_embed_modules in the first stage, which holds the modules it reads (named in after_embed_modules).
     embed_call: Callable[[nn.Module, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
+    # The blocks read the batch's token ids (DeepSeek-V4's hash routers): `Pipeline.step` hands every stage its
+    # microbatch's ids (a schedule keyword, as position ids) and the stage appends them to `call_block`'s extras.
+    block_ids: bool = False
+    # What the last stage runs on the hidden state right before its norm, outside any module (dropping what the
+    # stream carries beside the hidden state: Gemma 4's per-layer inputs); None: nothing.
+    before_norm: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def block_keys(self, model: nn.Module) -> list[str]:
         """The blocks' names inside the blocks container, in execution order."""

@@ -10,7 +10,8 @@ on every TP rank and added by one of them (pp_tp.parallel.expert_dispatch).
 dispatches tokens (pp_tp.parallel.expert_dispatch) around the family's own forward, run on local experts.
 Three calling conventions: routed, `experts(hidden [T, D], top_k_index [T, k], top_k_weights [T, k])`
 (transformers, the reference MoE), grouped, `experts(tokens sorted by expert [N, D], tokens_per_expert [E])`
-(torchtitan's GroupedExperts, after its own reorder; its caller applies the routing scores), and dense,
+(torchtitan's GroupedExperts, after its own reorder, or JetMoE's ParallelExperts, rows per expert a list; its caller
+applies the routing scores), and dense,
 `experts(rows [E * T, D])`, expert e on the e-th of E equal row blocks (Llama 4; its caller scales the rows). A
 grouped or dense call is dispatched as a routed one with k = 1 and unit weights (exact: x * 1 and 0 + x), its local
 forward gets its rows sorted by local expert again.
@@ -90,12 +91,13 @@ def _check_module(fqn: str, module: nn.Module, spec: ExpertsSpec) -> None:
     params = dict(module.named_parameters(recurse=False))
     nested = len(params) != len(list(module.parameters()))
     d, n = spec.expert_dim, spec.n_experts
-    odd = next((name for name, p in params.items() if p.dim() <= d or p.shape[d] != n), None)
-    if odd is not None:  # LongCat-Flash: gate/up holds its identity experts too, down the routed ones only
-        sizes = ", ".join(f"{k} {tuple(p.shape)}" for k, p in params.items())
+    counts = {name: p.shape[d] if p.dim() > d else 0 for name, p in params.items()}
+    if len(set(counts.values())) > 1:  # LongCat-Flash: gate/up holds rows for its identity experts too, down not
+        (most, big), (fewest, small) = max(counts.items(), key=lambda c: c[1]), min(counts.items(), key=lambda c: c[1])
         raise ConfigError(
-            f"{fqn} ({type(module).__name__}): its parameters hold unequal expert counts on dim {d} ({sizes}), so "
-            "pp_tp cannot split them by expert; set parallel.ep = 1 and parallel.tp = 1"
+            f"{fqn} ({type(module).__name__}): {most} holds {big} experts on dim {d} and {fewest} {small} (the "
+            f"{big - small} more have no {fewest} rows, as identity experts), so a split of each parameter by "
+            "expert would not keep one expert's rows on one rank; set parallel.ep = 1 and parallel.tp = 1"
         )
     if not params or nested:
         raise ConfigError(
@@ -179,11 +181,13 @@ def _dispatching(cls: type[nn.Module], convention: str) -> type[nn.Module]:
     def forward(self: Any, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Any:
         return self.expert_dispatch(self, cls.forward, hidden, top_k_index, top_k_weights)
 
-    def forward_grouped(self: Any, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> Any:
-        experts = torch.arange(tokens_per_expert.numel(), device=tokens.device)
-        ids = torch.repeat_interleave(experts, tokens_per_expert, output_size=tokens.shape[0]).unsqueeze(1)
+    def forward_grouped(self: Any, tokens: torch.Tensor, tokens_per_expert: torch.Tensor | list[int]) -> Any:
+        counts = torch.as_tensor(tokens_per_expert, device=tokens.device)
+        experts = torch.arange(counts.numel(), device=tokens.device)
+        ids = torch.repeat_interleave(experts, counts, output_size=tokens.shape[0]).unsqueeze(1)
         ones = torch.ones(tokens.shape[0], 1, dtype=tokens.dtype, device=tokens.device)
-        return self.expert_dispatch(self, partial(_grouped_local, cls.forward), tokens, ids, ones)
+        local = partial(_grouped_local, cls.forward, isinstance(tokens_per_expert, list))
+        return self.expert_dispatch(self, local, tokens, ids, ones)
 
     def forward_dense(self: Any, rows: torch.Tensor) -> Any:
         n = self.expert_dispatch.n_experts
@@ -196,13 +200,16 @@ def _dispatching(cls: type[nn.Module], convention: str) -> type[nn.Module]:
     return type(cls.__name__, (cls,), {"forward": body, "__module__": cls.__module__})
 
 
-def _grouped_local(forward: Any, module: nn.Module, slots: torch.Tensor, ids: torch.Tensor, weights: Any) -> Any:
-    """A grouped experts forward on the dispatched slots: sorted by local expert for it, then put back.
-    `weights` are the unit ones of `forward_grouped`; the caller (torchtitan's combine) applies the scores."""
+def _grouped_local(
+    forward: Any, as_list: bool, module: nn.Module, slots: torch.Tensor, ids: torch.Tensor, weights: Any
+) -> Any:
+    """A grouped experts forward on the dispatched slots: sorted by local expert for it, then put back; the rows
+    per local expert in the form the caller gave (a list of ints: JetMoE). `weights` are the unit ones of
+    `forward_grouped`; the caller (torchtitan's combine, JetMoE's gates) applies the scores."""
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=module.expert_dispatch.local_experts)
-    return forward(module, slots[order], counts)[torch.argsort(order)]
+    return forward(module, slots[order], counts.tolist() if as_list else counts)[torch.argsort(order)]
 
 
 def _dense_local(forward: Any, module: nn.Module, slots: torch.Tensor, ids: torch.Tensor, weights: Any) -> Any:

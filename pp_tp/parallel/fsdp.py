@@ -82,7 +82,8 @@ def _shard_moe(block: nn.Module, layout: ModelLayout, mesh: DeviceMesh, pcfg: Pa
     """Under expert parallel, each experts module is an FSDP unit over the ranks holding the same experts, and
     the MoE module around it another, so attention and MoE are separate units. FSDP averages the experts'
     gradients over dp / ep ranks instead of dp: the dispatch scales them by 1 / ep (ExpertDispatch.grad_scale)."""
-    for name, experts in experts_modules(block, layout):
+    found = experts_modules(block, layout)
+    for _, experts in found:  # every experts module first: a parent may hold several (JetMoE's input/output)
         fully_shard(experts, **{**kwargs, "mesh": expert_dp_mesh(mesh, pcfg)})
-        if "." in name:
-            fully_shard(block.get_submodule(name.rpartition(".")[0]), **kwargs)
+    for parent in dict.fromkeys(name.rpartition(".")[0] for name, _ in found if "." in name):
+        fully_shard(block.get_submodule(parent), **kwargs)

@@ -209,10 +209,15 @@ class Pipeline:
                 f"{tuple(input_ids.shape)}"
             )
 
-    def _position_kwargs(self, position_ids: torch.Tensor | None) -> dict:
-        """The schedule's keyword inputs: per-token position ids (split into microbatches by torch, handed to
-        every stage's forward), when the batch packs documents or runs under context parallel."""
-        return {} if position_ids is None else {"position_ids": position_ids.to(self.device)}
+    def _schedule_kwargs(self, inputs: torch.Tensor, position_ids: torch.Tensor | None) -> dict:
+        """The schedule's keyword inputs, split into microbatches by torch as it splits the inputs and handed to every
+        stage's forward: per-token position ids when the batch packs documents or runs under context parallel; the
+        token ids (this rank's, on the device) where the model's blocks read them, on every stage (the layout says
+        so, the same on every rank)."""
+        kwargs = {} if position_ids is None else {"position_ids": position_ids.to(self.device)}
+        if self.model_parts[0].layout.block_ids:
+            kwargs["input_ids"] = inputs
+        return kwargs
 
     def _context_shard(
         self, where: str, inputs: torch.Tensor, targets: torch.Tensor | None, position_ids: torch.Tensor | None
@@ -241,8 +246,8 @@ class Pipeline:
         `document_block_inputs`. Under context parallel each cp rank runs its head-tail chunks of the same rows."""
         self._check_positions("Pipeline.step", inputs, position_ids)
         inputs, targets, position_ids = self._context_shard("Pipeline.step", inputs, targets, position_ids)
-        kwargs = self._position_kwargs(position_ids)
         inputs, targets, n = self.prepare_batch("Pipeline.step", inputs, targets)
+        kwargs = self._schedule_kwargs(inputs, position_ids)
         self._loss.scale = self._built.grad_factor / max(n, 1)
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first_stage else ()
@@ -285,8 +290,8 @@ class Pipeline:
         calls it, and no gradient is created or changed (checked). `position_ids` and context parallel as in `step`."""
         self._check_positions("Pipeline.evaluate", inputs, position_ids)
         inputs, targets, position_ids = self._context_shard("Pipeline.evaluate", inputs, targets, position_ids)
-        kwargs = self._position_kwargs(position_ids)
         inputs, labels, n_tokens = self.prepare_batch("Pipeline.evaluate", inputs, targets)
+        kwargs = self._schedule_kwargs(inputs, position_ids)
         before = grad_state(self.model_parts)
         scale = self._loss.scale
         self._loss.scale = 1.0 / max(n_tokens, 1)  # nothing flows back, so no FSDP mean to undo

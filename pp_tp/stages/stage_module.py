@@ -121,10 +121,14 @@ class StageModule(nn.Module):
             cache[key] = extras
         return cache[key]
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor | None = None, input_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """`position_ids` [microbatch, seq] (every stage gets them from the schedule): positions restarting at each
-        packed document, with attention kept inside it; None: one sequence per row."""
+        packed document, with attention kept inside it; None: one sequence per row. `input_ids`: the microbatch's
+        token ids, which every stage gets from the schedule where the blocks read them (`layout.block_ids`)."""
         lay = self.layout
+        ids = x if input_ids is None and self.is_first else input_ids
         h = x
         if self.is_first and lay.embed_call is not None:
             h = lay.embed_call(self, x, position_ids)
@@ -136,9 +140,14 @@ class StageModule(nn.Module):
                 h = self.get_submodule(name)(h)
         if self.spec.blocks:
             extras = self._block_inputs(h) if position_ids is None else lay.document_block_inputs(self, h, position_ids)
+            if lay.block_ids:
+                if ids is None:
+                    raise TypeError(f"stage {self.spec.index}: its blocks read the token ids; pass input_ids")
+                extras = (*extras, ids)
             for block in self.block_modules():
                 h = lay.call_block(block, h, extras)
         if self.is_last:
+            h = lay.before_norm(h) if lay.before_norm is not None else h
             for name in lay.before_norm_modules:
                 h = self.get_submodule(name)(h)
             for fqn in lay.last_fqns:

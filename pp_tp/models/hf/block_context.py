@@ -119,9 +119,11 @@ class BlockContext:
                 embeddings = rotary(h, position_ids)
         return position_ids, masks, embeddings, self.computed(h) if self.computed is not None else {}
 
-    def call(self, block: nn.Module, h: torch.Tensor, extras: tuple[Any, ...]) -> torch.Tensor:
-        """One decoder layer, called with the keywords the model's own forward passes it."""
-        position_ids, masks, embeddings, computed = extras
+    def call(self, block: nn.Module, h: torch.Tensor, extras: tuple[Any, ...], **handed: Any) -> torch.Tensor:
+        """One decoder layer, called with the keywords the model's own forward passes it; `extras` end with the
+        microbatch's token ids where the layers read them (layout.block_ids); `handed`: what the caller hands this
+        layer alone (its per-layer input: per_layer_inputs.py)."""
+        position_ids, masks, embeddings, computed, *ids = extras
         kind = self.layer_types[id(block)]
         kwargs = {
             "attention_mask": self._as_handed(masks[kind]),
@@ -129,7 +131,9 @@ class BlockContext:
             "past_key_values": None,
             "use_cache": False,
             "shared_kv_states": {},  # Gemma 4 layers store their K/V for later ones; compose refuses any that reuse
+            "input_ids": ids[0] if ids else None,
             **computed,
+            **handed,
         }
         if embeddings is not None:
             per_layer = self.per_type_rotary and not self.all_tables
@@ -154,3 +158,26 @@ def _try(maker: Any, kwargs: dict[str, Any]) -> Any:
         return maker(**kwargs, **mask_without_cache(maker))
     except (ValueError, TypeError, AttributeError):
         return _try
+
+
+def block_ids(model: nn.Module, blocks_fqn: str, blocks: list[nn.Module], found: Handed | None) -> bool:
+    """Whether the layers read the batch's token ids: a module of theirs requires `input_ids` (DeepSeek-V4's hash
+    routers). Every stage then gets them and hands each layer `input_ids`, as the traced forward (`found`) shows the
+    model's own forward does; one it does not show doing so is refused in one line."""
+    for i, block in enumerate(blocks):
+        for name, module in block.named_modules():
+            ids = inspect.signature(module.forward).parameters.get("input_ids")
+            if ids is None or ids.default is not inspect.Parameter.empty:
+                continue
+            if found is None or not all(_are_ids(layer.get("input_ids"), found) for layer in found.layers):
+                raise ConfigError(
+                    f"model {type(model).__name__}: {blocks_fqn}.{i}.{name} ({type(module).__name__}) routes by the "
+                    "token ids, which its forward does not hand every layer as `input_ids`; register a layout for it"
+                )
+            return True
+    return False
+
+
+def _are_ids(value: Any, found: Handed) -> bool:
+    """A traced layer argument that is the batch's token ids: integers of the ids' shape."""
+    return isinstance(value, torch.Tensor) and not value.is_floating_point() and tuple(value.shape) == found.ids_shape

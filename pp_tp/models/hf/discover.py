@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from pp_tp.errors import ConfigError
+from pp_tp.models.hf.prelayer import Replay, replay_for, replay_target
 from pp_tp.models.hf.self_check import small_config
 from pp_tp.models.hf.trace import SEQ, Call, bound_arguments, seeded_copy, trace
 
@@ -62,10 +63,12 @@ class PpPlan:
     block_kwargs: frozenset[str] = frozenset()
     computed: frozenset[str] = frozenset()  # layer arguments computed by the family's own code (ComputedInputs)
     mask_dtype: torch.dtype | None = None  # the dtype of the mask the forward hands its layers (MPT's bool)
+    replay_target: str = ""  # the module before which the forward's own code changes the embedding's output (CTRL)
+    replay: Replay | None = None  # that code, replayed for the model's own config (prelayer.py)
 
     @property
     def adds_positions(self) -> bool:
-        return any(s.args is not None for s in self.steps)
+        return bool(self.replay_target) or any(s.args is not None for s in self.steps)
 
     @property
     def positions_from_ids(self) -> bool:
@@ -298,6 +301,7 @@ def _analyse(model: nn.Module, base: nn.Module, calls: list[Call], ids: torch.Te
         block_kwargs=block_kwargs,
         computed=frozenset(found[0][1]),
         mask_dtype=mask.dtype if isinstance(mask, torch.Tensor) else None,
+        replay_target=replay_target(model, calls[: at[0] + 1], embed, ids, discovery_base(model)) or "",
     )
 
 
@@ -332,7 +336,9 @@ def discover(model: nn.Module) -> PpPlan:
     found = _FOUND[key]
     if isinstance(found, str):
         raise ConfigError(found)
-    return dataclasses.replace(found, base=discovery_base(model))
+    base = discovery_base(model)
+    replay = replay_for(model, f"{base}.{found.replay_target}") if found.replay_target else None
+    return dataclasses.replace(found, base=base, replay=replay)
 
 
 def _discover(cls: type, small: Any) -> PpPlan:
@@ -349,8 +355,9 @@ def _discover(cls: type, small: Any) -> PpPlan:
 
 
 class EmbedCall:
-    """The first stage's input to the first block for a discovered structure with learned positions: the
-    embedding, the model-level transform after it, then each step in the forward's order."""
+    """The first stage's input to the first block for a discovered structure with learned positions or code of its
+    forward's own on the embedding's output: the embedding, the model-level transform after it (or that code,
+    replayed: it includes the transform), then each step in the forward's order."""
 
     def __init__(self, plan: PpPlan, after: Any):
         self.plan, self.after = plan, after
@@ -366,7 +373,10 @@ class EmbedCall:
     def __call__(self, stage: nn.Module, ids: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
         base = self.plan.base
         h = stage.get_submodule(f"{base}.{self.plan.embed}")(ids)
-        h = self.after(h) if self.after is not None else h
+        if self.plan.replay is not None:
+            h = self.plan.replay(ids, h, position_ids, stage.training)
+        elif self.after is not None:
+            h = self.after(h)
         if position_ids is None:
             position_ids = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
         for step in self.plan.steps:

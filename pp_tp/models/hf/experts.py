@@ -10,41 +10,54 @@ The packed weights' storage comes from the attributes transformers' `use_experts
 sum of its forward over the two TP shards that storage implies equals its whole forward. Its calling convention is
 transformers' routed one, or dense (`ExpertsSpec.dense`) for a one-argument forward a probe proves reads E equal
 contiguous row blocks, block e through expert e's weights alone.
+A family declaring no experts modules at all (JetMoE: `ParallelExperts` in its MoE MLP and in its mixture of attention
+heads) gets those found by structure: modules whose own parameters all hold one count (> 1) on dim 0 and whose
+forward takes (rows sorted by expert, rows per expert), kept where a probe proves that convention (grouped,
+`ExpertsSpec.grouped`): on the small copy's own forward, the arguments it gives each such module, run whole, equal
+each expert's row group run through that expert's weights alone.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
 
 from pp_tp.base._torch import swap_parameters
+from pp_tp.base.forward import without_cache
 from pp_tp.layout import ExpertsSpec, PackedSwiGLU
 from pp_tp.models.hf.routers import block_routers
 from pp_tp.models.hf.self_check import small_config
 from pp_tp.models.hf.tp_plan import block_experts
+from pp_tp.models.hf.trace import seeded_copy
 from pp_tp.parallel.tensor_parallel import matches_rule
 
 _BIAS = "e_score_correction_bias"
 _GATE_UP, _DOWN = "gate_up_proj", "down_proj"
 _ROWS = 4  # probe rows per expert
 _PROBES: dict[tuple[type, str], tuple[bool, PackedSwiGLU | None]] = {}
+_GROUPED: dict[tuple[type, str, tuple[str, ...]], tuple[str, ...]] = {}
 
 
 def experts_spec(model: nn.Module, blocks_key: str, blocks: list[nn.Module]) -> ExpertsSpec | None:
     """The model's experts record, or None when it declares no experts modules its blocks hold."""
     modules, tp_form = block_experts(model, blocks_key)
+    grouped = not modules
+    if grouped:
+        modules = _grouped_experts(model, blocks_key, blocks)
     found = [m for b in blocks for n, m in b.named_modules() if n and any(matches_rule(r, n) for r in modules)]
     if not found:
         return None
     module = found[0]
-    dense, weights = _probed(module, model.config)
+    dense, weights = (False, None) if grouped else _probed(module, model.config)
     return ExpertsSpec(
         modules=modules,
         n_experts=next(iter(module.parameters())).shape[0],  # transformers keeps the expert on dim 0
         top_k=getattr(model.config, "num_experts_per_tok", None),
+        grouped=grouped,
         dense=dense,
         weights=weights,
         # TP of experts splits plain packed SwiGLU only, stored as the declared rules name it, no norm after each expert
@@ -52,10 +65,101 @@ def experts_spec(model: nn.Module, blocks_key: str, blocks: list[nn.Module]) -> 
         and weights is not None
         and (weights.gate_up_dim == 2) == tp_form
         and not getattr(module, "has_post_expert_norm", False),
-        count_attr="num_experts" if "num_experts" in vars(module) else None,  # transformers' kernels size bins by it
+        count_attr=_count_attr(module),
         routers=block_routers(model, blocks),
         bias=tuple(sorted({n for b in blocks for n, _ in b.named_buffers() if n.rpartition(".")[2] == _BIAS})),
     )
+
+
+def _count_attr(module: nn.Module) -> str | None:
+    """The attribute the module's forward sizes its experts by (transformers' kernels' bins, JetMoE's loop)."""
+    return "num_experts" if "num_experts" in vars(module) else None
+
+
+def _grouped_experts(model: nn.Module, blocks_key: str, blocks: list[nn.Module]) -> tuple[str, ...]:
+    """Block-relative names of the undeclared experts modules the grouped probe proves (cached per class and
+    small config)."""
+    names = tuple(sorted({n for b in blocks for n, m in b.named_modules() if n and _grouped_shaped(m)}))
+    if not names:
+        return ()
+    small = small_config(model.config)
+    path = next(n for n, m in model.named_modules() if m is blocks[0]).rpartition(".")[0]  # blocks_key's full path
+    key = (type(model), small.to_json_string(use_diff=False), names)
+    if key not in _GROUPED:
+        _GROUPED[key] = _prove_grouped(type(model), small, path, names)
+    return _GROUPED[key]
+
+
+def _grouped_shaped(module: nn.Module) -> bool:
+    """Own parameters only, all holding one count (> 1) on dim 0, and a two-argument forward."""
+    params = list(module.parameters(recurse=False))
+    counts = {p.shape[0] if p.dim() >= 2 else 0 for p in params}
+    return (
+        bool(params)
+        and len(params) == len(list(module.parameters()))
+        and len(counts) == 1
+        and min(counts) > 1
+        and len(inspect.signature(module.forward).parameters) == 2
+    )
+
+
+@torch.no_grad()
+def _prove_grouped(cls: type, small, blocks: str, names: tuple[str, ...]) -> tuple[str, ...]:
+    """The `names` whose module, in the small copy's own forward, is called as grouped experts."""
+    calls: dict[str, tuple] = {}
+    try:
+        with torch.random.fork_rng(devices=[]):
+            model, ids = seeded_copy(cls, small)
+            torch.manual_seed(0)
+            for p in model.parameters():
+                p.normal_(0.0, 0.5)
+        watched = set(names) | {n.rpartition(".")[0] for n in names}  # the experts and the modules around them
+        modules: dict[str, nn.Module] = {}
+        for block in model.get_submodule(blocks).children():
+            for n, m in block.named_modules():
+                if n in watched:
+                    modules.setdefault(n, m)
+        hooks = [m.register_forward_pre_hook(partial(_record, calls, n)) for n, m in modules.items()]
+        try:
+            model(input_ids=ids, **without_cache(model))
+        finally:
+            for h in hooks:
+                h.remove()
+        return tuple(n for n in names if _called(calls, n) and _groups_per_expert(modules[n], *calls[n]))
+    except Exception:  # noqa: BLE001 - a copy the probe cannot run proves nothing
+        return ()
+
+
+def _called(calls: dict[str, tuple], name: str) -> bool:
+    """Called with two arguments, and so is the module around it (its FSDP unit under expert parallel runs on
+    that module's forward: JetMoE's attention experts sit in a module called only through other methods)."""
+    return len(calls.get(name, ())) == 2 and ("." not in name or name.rpartition(".")[0] in calls)
+
+
+def _record(calls: dict[str, tuple], name: str, module: nn.Module, args: tuple) -> None:
+    calls.setdefault(name, args)  # the first call (the mixture of attention heads calls its experts twice)
+
+
+def _groups_per_expert(module: nn.Module, rows: torch.Tensor, counts) -> bool:
+    """Whether the forward on (rows sorted by expert, rows per expert) runs group e through expert e's weights
+    alone, the count attribute (if any) sized to the one expert."""
+    params = dict(module.named_parameters(recurse=False))
+    sizes = [int(c) for c in counts]
+    if len(sizes) != next(iter(params.values())).shape[0] or sum(sizes) != rows.shape[0]:
+        return False
+    whole, parts, attr = module(rows, counts), [], _count_attr(module)
+    for e, group in enumerate(rows.split(sizes)):
+        saved = swap_parameters(module, {k: p[e : e + 1] for k, p in params.items()})
+        saved_count = getattr(module, attr) if attr else None
+        if attr:
+            setattr(module, attr, 1)
+        try:
+            parts.append(module(group, counts[e : e + 1]))
+        finally:
+            swap_parameters(module, saved)
+            if attr:
+                setattr(module, attr, saved_count)
+    return whole.shape[0] == rows.shape[0] and torch.allclose(whole, torch.cat(parts), rtol=1e-5, atol=1e-6)
 
 
 def _declared(module: nn.Module) -> bool:

@@ -38,7 +38,8 @@ def after_embed(config) -> Transform | None:
 
 def after_head(config) -> Transform | None:
     """Logit transforms of the *ForCausalLM forward: Granite divides by `logits_scaling`, Cohere multiplies by
-    `logit_scale`, Gemma 2/3 softcap with `final_logit_softcapping` (xLSTM with `output_logit_soft_cap`); Inkling
+    `logit_scale`, Gemma 2/3 softcap with `final_logit_softcapping` (xLSTM with `output_logit_soft_cap`,
+    RecurrentGemma with `logits_soft_cap`); Inkling
     divides the last hidden state by `logits_mup_width_multiplier` before its bias-free head, the same as dividing the
     logits (the self-check proves it, a head with a bias included)."""
     steps: list[Transform] = []
@@ -49,7 +50,7 @@ def after_head(config) -> Transform | None:
     scale = _own(config, "logit_scale")
     if scale not in (None, 1.0):
         steps.append(lambda x: x * scale)
-    for key in ("final_logit_softcapping", "output_logit_soft_cap"):  # xLSTM names its cap output_logit_soft_cap
+    for key in ("final_logit_softcapping", "output_logit_soft_cap", "logits_soft_cap"):
         cap = _own(config, key)
         if cap is not None:
             steps.append(lambda x, c=cap: torch.tanh(x / c) * c)

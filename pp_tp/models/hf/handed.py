@@ -13,6 +13,7 @@ from torch import nn
 
 from pp_tp.models.hf.discover import embed_name, embedding_parent
 from pp_tp.models.hf.extras import after_embed
+from pp_tp.models.hf.prelayer import hidden_input, replay_target
 from pp_tp.models.hf.self_check import small_config
 from pp_tp.models.hf.trace import Call, bound_arguments, seeded_copy, trace
 
@@ -84,23 +85,26 @@ def _handed(cls: type, small: Any, blocks: str) -> Handed | None:
         and c.args[0].shape[:2] == ids.shape
         and isinstance(c.out, torch.Tensor)
     )
-    changed = _changed_outside(model, calls[: at[0] + 1], embed, ids)
+    changed = _changed_outside(model, calls[: at[0] + 1], embed, ids, embedding_parent(model))
     return Handed(small, per_layer, pre, tuple(ids.shape), runs, changed)
 
 
-def _changed_outside(model: nn.Module, calls: list[Call], embed: str, ids: torch.Tensor) -> str | None:
+def _changed_outside(model: nn.Module, calls: list[Call], embed: str, ids: torch.Tensor, prefix: str) -> str | None:
     """The first call (the first layer last in `calls`) whose hidden-state input is not the embedding's output as
     the modules before it left it (each module on the hidden state replacing it, a position embedding added, the
-    config's own transform first: extras.after_embed): the forward changed it outside any module (CTRL's scaling and
-    sinusoidal positions, RecurrentGemma's normalizer); None where nothing was."""
+    config's own transform first: extras.after_embed, or the forward's own code the first stage replays:
+    prelayer.replay_target): the forward changed it outside any module in a way pp_tp does not reproduce; None where
+    nothing was."""
     start = next((i for i, c in enumerate(calls) if c.name == embed), None)
     if start is None or not isinstance(calls[start].out, torch.Tensor):
         return None
+    replayed = replay_target(model, calls, embed, ids, prefix)
     after = after_embed(model.config)
     h = after(calls[start].out) if after is not None else calls[start].out
     for call in (c for c in calls[start + 1 :] if c.kind != "wrapper"):  # a wrapper returns what it ran
-        first = call.args[0] if call.args else call.kwargs.get("hidden_states", next(iter(call.kwargs.values()), None))
+        first = hidden_input(call.args, call.kwargs)
         hidden = isinstance(first, torch.Tensor) and first.is_floating_point() and first.shape == h.shape
+        h = first if call.name == replayed else h
         if call is calls[-1] or (hidden and isinstance(call.out, torch.Tensor) and call.out.shape == h.shape):
             if not (hidden and torch.allclose(first, h, rtol=1e-6, atol=1e-6)):
                 return call.name

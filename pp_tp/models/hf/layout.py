@@ -26,13 +26,15 @@ from torch import nn
 
 from pp_tp.errors import ConfigError
 from pp_tp.layout import ModelDims, ModelLayout
-from pp_tp.models.hf import hyper
-from pp_tp.models.hf.block_context import BlockContext, layer_types_of
+from pp_tp.models.hf import hyper, per_layer_inputs
+from pp_tp.models.hf.block_context import BlockContext, block_ids, layer_types_of
 from pp_tp.models.hf.buffers import init_buffers
 from pp_tp.models.hf.discover import ComputedInputs, EmbedCall, PpPlan, discover, embedding_parent
 from pp_tp.models.hf.experts import experts_spec
 from pp_tp.models.hf.extras import after_embed, after_head
 from pp_tp.models.hf.handed import Handed, handed
+from pp_tp.models.hf.head_path import before_head
+from pp_tp.models.hf.per_layer_inputs import PerLayerInputs
 from pp_tp.models.hf.randomness import check_randomness
 from pp_tp.models.hf.self_check import self_check
 from pp_tp.models.hf.tp_plan import block_tp_plan
@@ -144,7 +146,7 @@ def _dims(model: nn.Module) -> ModelDims:
         _max_positions(c),
         tied,
         head_dim=shared(lambda layer: getattr(layer, "head_dim", None)),
-        streams=hyper.streams(c) or 1,
+        streams=hyper.streams(c) or per_layer_inputs.streams(model, embedding_parent(model)),
     )
 
 
@@ -195,10 +197,11 @@ def compose(model: nn.Module) -> ModelLayout:
     if base.get_submodule(embed_key) is not model.get_input_embeddings():
         raise _refuse(model, f"{prefix}.{embed_key} is not get_input_embeddings(); register a layout for it")
     head = _module_name(model, model.get_output_embeddings(), "output embedding")
-    extra, collapse = _outside_plan(model, pp_plan)
-    rotary = next((f"{prefix}.{n}" for n in extra if "position_ids" in _params(base.get_submodule(n).forward)), None)
+    extra, collapse, ple_held = _outside_plan(model, pp_plan)
     blocks = list(base.get_submodule(blocks_key).children())
     found = handed(model, blocks_key) if prefix == embedding_parent(model) else None
+    ple = per_layer_inputs.find(model, prefix, blocks, found, ple_held)
+    rotary = next((f"{prefix}.{n}" for n in extra if "position_ids" in _params(base.get_submodule(n).forward)), None)
     _refuse_untraceable(model, f"{prefix}.{blocks_key}", found)
     _refuse_cross_layer_inputs(model, f"{prefix}.{blocks_key}", blocks, found)
     types = dict(zip((id(b) for b in blocks), _layer_types(model, len(blocks))))
@@ -226,17 +229,18 @@ def compose(model: nn.Module) -> ModelLayout:
         block_inputs=ctx.inputs,
         # Positions from the ids' shape, biases from the batch's shape: packed documents' positions reach neither.
         document_block_inputs=None if pp_plan.positions_from_ids or pp_plan.computed else ctx.document_inputs,
-        call_block=ctx.call,
+        **_stream_steps(pp_plan, model.config, ctx, ple, (*pp_plan.after_embed, *pre)),
         tp_plan=tp_plan,
         tp_refusal=tp_refusal,
         experts_spec=experts_spec(model, blocks_key, blocks),
         attention=attention,
         after_embed=after_embed(model.config),
-        embed_call=EmbedCall(pp_plan, after_embed(model.config)) if pp_plan.adds_positions else None,
         after_head=after_head(model.config),
+        block_ids=block_ids(model, f"{prefix}.{blocks_key}", blocks, found),
         static_block_inputs=True,  # masks and rotary tables from the microbatch's shape only (no padding mask)
-        after_embed_modules=tuple(f"{prefix}.{name}" for name in (*pp_plan.after_embed, *pre)),
+        after_embed_modules=tuple(f"{prefix}.{name}" for name in (*pp_plan.after_embed, *pre, *ple_held)),
         before_norm_modules=tuple(f"{prefix}.{name}" for name in (*pp_plan.before_norm, *collapse)),
+        before_head=before_head(model),
     )
 
 
@@ -250,10 +254,11 @@ def _computed_refusal(model: nn.Module, pp_plan: PpPlan) -> str | None:
     )
 
 
-def _outside_plan(model: nn.Module, pp_plan: PpPlan) -> tuple[list[str], tuple[str, ...]]:
-    """The base model's children outside the plan: parameterless ones every stage shares (rotary tables), and a
-    hyper-connection family's stream collapse (hc_head), which the last stage runs before its norm; any other
-    module with weights, and any weight of a wrapper (BERT's `encoder`) outside the plan's modules, is refused."""
+def _outside_plan(model: nn.Module, pp_plan: PpPlan) -> tuple[list[str], tuple[str, ...], list[str]]:
+    """The base model's children outside the plan: parameterless ones every stage shares (rotary tables), a
+    hyper-connection family's stream collapse (hc_head), which the last stage runs before its norm, and the modules
+    computing per-layer inputs (Gemma 4), which the first stage holds; any other module with weights, and any weight
+    of a wrapper (BERT's `encoder`) outside the plan's modules, is refused."""
     base = model.get_submodule(pp_plan.base)
     plan = {pp_plan.embed, pp_plan.blocks, pp_plan.norm, *pp_plan.after_embed, *pp_plan.before_norm} - {""}
     wrappers = {name.split(".")[0] for name in plan if "." in name}
@@ -267,12 +272,29 @@ def _outside_plan(model: nn.Module, pp_plan: PpPlan) -> tuple[list[str], tuple[s
     ]
     collapse = hyper.collapse_modules(model.config, weighted)
     weighted = [name for name in weighted if name not in collapse]
+    held = [] if pp_plan.adds_positions else per_layer_inputs.candidates(model, pp_plan.base, weighted)
+    weighted = [name for name in weighted if name not in held]
     if weighted:
         raise _refuse(
             model,
             f"{pp_plan.base}.{weighted[0]} holds weights outside embedding/layers/norm; register a layout for it",
         )
-    return [name for name in extra if name not in collapse], collapse
+    return [name for name in extra if name not in (*collapse, *held)], collapse, held
+
+
+def _stream_steps(
+    pp_plan: PpPlan, config: Any, ctx: BlockContext, ple: PerLayerInputs | None, run: tuple[str, ...]
+) -> dict[str, Any]:
+    """How the stream is made, handed from layer to layer and ended: the first stage's own path where the forward adds
+    more than the embedding (learned positions: EmbedCall; per-layer inputs packed beside the hidden state, which each
+    layer reads its slice of and the last stage drops before its norm); the block context's call otherwise."""
+    if ple is not None:
+        embed = ple.embed_call(
+            f"{pp_plan.base}.{pp_plan.embed}", after_embed(config), tuple(f"{pp_plan.base}.{n}" for n in run)
+        )
+        return dict(embed_call=embed, call_block=ple.call(ctx.call), before_norm=ple.drop)
+    embed = EmbedCall(pp_plan, after_embed(config)) if pp_plan.adds_positions else None
+    return dict(embed_call=embed, call_block=ctx.call, before_norm=None)
 
 
 def _takes_var_keywords(block: nn.Module) -> bool:
@@ -303,19 +325,9 @@ def _refuse_untraceable(model: nn.Module, blocks_fqn: str, found: Handed | None)
 def _refuse_cross_layer_inputs(
     model: nn.Module, blocks_fqn: str, blocks: list[nn.Module], found: Handed | None
 ) -> None:
-    """Refuses layers that need more than the hidden state and the block context: a module routing by token ids
-    (DeepSeek-V4's hash-routed MoE: stages after the first never receive the ids), a value the previous layer
-    returned that the traced forward (`found`) really hands on, or keys and values another layer computed (Gemma 4's
-    `num_kv_shared_layers`, which the model's own forward hands from layer to layer)."""
-    for i, block in enumerate(blocks):
-        for name, module in block.named_modules():
-            ids = inspect.signature(module.forward).parameters.get("input_ids")
-            if ids is not None and ids.default is inspect.Parameter.empty:
-                raise _refuse(
-                    model,
-                    f"{blocks_fqn}.{i}.{name} ({type(module).__name__}) routes by the token ids, which pp_tp does not "
-                    "hand to layers (stages after the first never receive them); register a layout for it",
-                )
+    """Refuses layers that need more than the hidden state, the block context and the token ids: a value the
+    previous layer returned that the traced forward (`found`) really hands on, or keys and values another layer
+    computed (Gemma 4's `num_kv_shared_layers`, which the model's own forward hands from layer to layer)."""
     threaded = _threaded_state(model, blocks_fqn.rpartition(".")[2], blocks[0])
     # Threaded in the source, but None for every layer in a forward without cache (RWKV's `state`): nothing to carry.
     if threaded and (found is None or any(layer.get(threaded[0]) is not None for layer in found.layers)):
