@@ -5,8 +5,9 @@ router biases stirred) and judges one `Pipeline.step` on 4 ranks (pp2 x tp2; MoE
 pp_tp.parity's verdict: the loss and every full gradient against a float64 run of the plain model, the plain fp32 run
 the yardstick; persistent buffers equal, every parameter covered. Checked here: dense families (a tied one on the
 default embedding, two with a dropout module in their pipeline plan, Apertus whose MLP holds xIELU's learnable scalars
-and runs whole on every TP rank) and MoE families with a persistent router bias come out exact, and a family pp_tp
-cannot run (a layer fed by the previous layer's output) is refused in the same line on every rank, for that reason.
+and runs whole on every TP rank) and MoE families with a persistent router bias or experts found by structure
+(JetMoE's, split over 2 EP ranks) come out exact, and a family pp_tp cannot run (a layer fed by the previous layer's
+output) is refused in the same line on every rank, for that reason.
 No family may be wrong; and a run that is (a gradient doubled, a DP sum left out) is classified wrong, not exact.
 """
 
@@ -26,7 +27,7 @@ import family_sweep  # noqa: E402  (bench/family_sweep.py)
 
 from pp_tp.parity import mean_token_loss  # noqa: E402
 
-EXACT = ["llama", "phi3", "deepseek_v2", "glm4_moe", "dots1", "gemma2", "gpt_neox", "phi", "apertus"]
+EXACT = ["llama", "phi3", "deepseek_v2", "glm4_moe", "dots1", "gemma2", "gpt_neox", "phi", "apertus", "jetmoe"]
 # model type -> what the refusal names
 REFUSED = {"hy_v4": "previous layer's 'topk_indices'"}
 

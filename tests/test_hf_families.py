@@ -89,6 +89,7 @@ FAMILIES = {
     "qwen2_moe": ("qwen2_moe", {}, "sdpa"),
     "gpt_oss": ("gpt_oss", {}, "eager"),
     "granite_swa_sinks": ("granite_swa", {}, "eager"),  # HF's `local_params` attention: sinks split by heads
+    "doge": ("doge", {}, "sdpa"),  # per-head `A` of its own in the attention; MoE rules naming nothing (MoE off)
 }
 
 
@@ -275,6 +276,18 @@ def test_a_parameter_in_the_sharded_middle_of_a_sub_block_makes_it_run_whole_und
     assert layout.tp_plan["mlp"] == "replicate" and layout.tp_plan["self_attn.q_proj"] == "colwise"
     mlp = sum(p.numel() for b in model.model.layers for p in b.mlp.parameters())
     assert whole_in_blocks(model.model.layers.children(), layout) == {"mlp": (("ApertusMLP",), mlp)}
+
+
+def test_an_attention_holding_its_own_ruleless_parameter_runs_whole_and_rules_naming_nothing_are_moot():
+    """Doge's attention holds its per-head `A` itself (no child module, no rule): it runs whole on every TP rank,
+    its MLP split; the rules its plan declares for the MoE MLP (`embedding_rowwise`, a style pp_tp lacks) name no
+    module of its default dense build, so they refuse nothing (exact at pp2 x tp2 in bench/family_sweep.py)."""
+    model = make("doge", "meta")
+    _preflight(model, pp=2, tp=2)
+    layout = layout_for(model)
+    assert layout.tp_refusal is None
+    assert layout.tp_plan["self_attn"] == "replicate" and layout.tp_plan["mlp.up_proj"] == "colwise"
+    assert not any(rule.startswith("self_attn.") for rule in layout.tp_plan)
 
 
 def test_tied_with_tp_needs_the_vocab_parallel_embedding():
