@@ -118,11 +118,6 @@ def _module_name(model: nn.Module, module: nn.Module | None, what: str) -> str:
     raise _refuse(model, f"has no {what} module; pp_tp needs one")
 
 
-def _layer_types(model: nn.Module, n_layers: int) -> list[str]:
-    """Each layer's type, as the model's forward picks its mask (mixers.LayerMasks refuses one it cannot)."""
-    return layer_types_of(model.config, n_layers)
-
-
 def _dims(model: nn.Module) -> ModelDims:
     """The model's dims. With per-layer values (transformers' `config.per_layer_config[i]`: Gemma 4's head_dim,
     Dots3's head counts) heads, KV heads, FFN width and head_dim are each the greatest common divisor over the layers,
@@ -204,7 +199,7 @@ def compose(model: nn.Module) -> ModelLayout:
     rotary = next((f"{prefix}.{n}" for n in extra if "position_ids" in _params(base.get_submodule(n).forward)), None)
     _refuse_untraceable(model, f"{prefix}.{blocks_key}", found)
     _refuse_cross_layer_inputs(model, f"{prefix}.{blocks_key}", blocks, found)
-    types = dict(zip((id(b) for b in blocks), _layer_types(model, len(blocks))))
+    types = dict(zip((id(b) for b in blocks), layer_types_of(model.config, len(blocks))))
     block_kwargs = _params(blocks[0].forward) | pp_plan.block_kwargs | pp_plan.computed
     context = {"attention_mask", "position_ids", "position_embeddings"}
     if not block_kwargs & context and _takes_var_keywords(blocks[0]):
