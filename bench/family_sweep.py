@@ -57,13 +57,13 @@ from transformers.models.auto.modeling_auto import (
 import pp_tp
 from pp_tp.base.tensors import full_tensor, persistent_buffers
 from pp_tp.errors import ConfigError
-from pp_tp.models.hf.mixers import whole_on_tp
 from pp_tp.models.hf.randomness import is_dropout_key, noise_keys, switch_off_noise
 from pp_tp.models.hf.self_check import small_config, stir_zero_buffers
 from pp_tp.models.hf.tp_plan import declared_tp_plan
 from pp_tp.models.reference.model import ModelArgs
 from pp_tp.parallel.tensor_parallel import block_plan
 from pp_tp.parallel.tp_styles import TP_STYLES
+from pp_tp.parallel.whole_on_tp import whole_on_tp
 from pp_tp.parity import FACTOR, FLOOR_ULPS, ReferenceRun, dp_share, floor_for, judge
 from pp_tp.parity.lockstep import Judged
 

@@ -268,7 +268,7 @@ def test_a_parameter_in_the_sharded_middle_of_a_sub_block_makes_it_run_whole_und
     TP rank would get a partial gradient (measured: 130 % off at pp2 x tp2), and their sum over TP ranks came out
     1.13x over the float64 verdict's bound. So its MLP runs whole on every TP rank (exact: the float64 verdict passes,
     tests/test_family_sweep.py), its attention still split, and the startup report names the MLP and its size."""
-    from pp_tp.models.hf.mixers import whole_in_blocks
+    from pp_tp.parallel.whole_on_tp import whole_in_blocks
 
     model = make("apertus", "meta")
     _preflight(model, pp=2, tp=2, embedding="vocab_parallel")

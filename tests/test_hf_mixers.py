@@ -89,7 +89,7 @@ def test_the_report_names_what_runs_whole_on_every_tp_rank():
     """Qwen3-Next's gated-delta-net is split by heads (parallel/mixer_tp.py) and not named; Jamba's Mamba mixer (no
     head-split record fits it) and DeepSeek-V3.2's indexer (beside MLA's latents) are, with their parameter counts;
     split attention and experts are not."""
-    from pp_tp.models.hf.mixers import whole_in_blocks
+    from pp_tp.parallel.whole_on_tp import whole_in_blocks
 
     def whole(name: str) -> dict:
         model = hf.make(name, "meta")

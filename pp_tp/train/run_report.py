@@ -10,9 +10,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from pp_tp.config import JobConfig
 from pp_tp.hf_checkpoint import has_weights
-from pp_tp.models.hf.mixers import whole_on_tp
 from pp_tp.parallel.experts import expert_dispatches
 from pp_tp.parallel.mesh import MESH_DIMS
+from pp_tp.parallel.whole_on_tp import whole_on_tp
 from pp_tp.planner import plan_job
 from pp_tp.planner.dry_run import JobPlan
 from pp_tp.runtime.pipeline import Pipeline
