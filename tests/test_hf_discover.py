@@ -214,3 +214,24 @@ def test_families_without_a_pp_plan_match_their_own_run(world):
     for per_rank in world(4).run(run_cases):
         for c, r in zip(CASES, per_rank):
             pu.assert_passes(r, *c)
+
+
+def test_beam_full_layers_get_their_query_scale_from_the_position_ids():
+    """Beam's forward hands its NoPE full-attention layers `attention_scaling` from the position ids (None to its
+    sliding ones): the block context computes it by the family's own forward, packed positions included."""
+    from transformers.models.beam.modeling_beam import compute_attention_scaling
+
+    from pp_tp.models.hf.block_context import layer_types_of
+    from pp_tp.models.hf.discover import SUPPLIED
+    from pp_tp.models.hf.handed import handed
+    from pp_tp.models.hf.position_args import position_args
+
+    model = T.BeamForCausalLM(pp_tp.models.hf.self_check.small_config(T.BeamConfig(**IDS)))
+    found = handed(model, "layers")
+    types = layer_types_of(found.config, len(found.layers))
+    stand_in, keys = position_args(model, found, types, set(SUPPLIED))
+    assert keys == ("attention_scaling",)
+    packed = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
+    got = stand_in(packed, 2, torch.float32)
+    assert got["sliding_attention"]["attention_scaling"] is None
+    assert torch.equal(got["full_attention"]["attention_scaling"], compute_attention_scaling(packed))

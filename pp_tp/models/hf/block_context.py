@@ -15,6 +15,7 @@ from pp_tp.errors import ConfigError
 from pp_tp.models.hf.discover import SUPPLIED, ComputedInputs, same
 from pp_tp.models.hf.handed import Handed
 from pp_tp.models.hf.mixers import FULL, LayerMasks, mask_without_cache
+from pp_tp.models.hf.position_args import PositionArgs, position_args
 
 SLIDING = "sliding_attention"
 
@@ -62,6 +63,7 @@ class BlockContext:
         self.all_tables = tuple(own) if own and not types & set(own) else ()
         self.tables = self.all_tables or tuple(sorted(types & set(own) if own else types))
         self.no_rotary: set[str] = set()  # layer types the forward hands no rotary tables (LaraMini's global layers)
+        self.position_args: PositionArgs | None = None  # per layer type, from the position ids (Beam's query scale)
         if found is not None:
             self._adopt(model, found)
 
@@ -94,6 +96,11 @@ class BlockContext:
                 )
             self.masks.makers[kind] = maker
             built[kind] = _try(maker, kw)  # the mask it builds: later layers of this type compare with it
+        handled = (
+            SUPPLIED | {"input_ids", "shared_kv_states"} | set(self.computed.plan.computed if self.computed else ())
+        )
+        self.position_args, keys = position_args(model, found, types, handled)
+        self.block_kwargs |= set(keys)
 
     def _as_handed(self, mask: Any) -> Any:
         """A mask as the family's forward hands it to its layers: MPT's additive mask as bool (True: masked)."""
@@ -117,13 +124,14 @@ class BlockContext:
                 embeddings = {t: rotary(h, position_ids, t) for t in self.tables if t not in self.no_rotary}
             else:
                 embeddings = rotary(h, position_ids)
-        return position_ids, masks, embeddings, self.computed(h) if self.computed is not None else {}
+        per_type = self.position_args(position_ids, h.shape[0], h.dtype) if self.position_args is not None else {}
+        return position_ids, masks, embeddings, self.computed(h) if self.computed is not None else {}, per_type
 
     def call(self, block: nn.Module, h: torch.Tensor, extras: tuple[Any, ...], **handed: Any) -> torch.Tensor:
         """One decoder layer, called with the keywords the model's own forward passes it; `extras` end with the
         microbatch's token ids where the layers read them (layout.block_ids); `handed`: what the caller hands this
         layer alone (its per-layer input: per_layer_inputs.py)."""
-        position_ids, masks, embeddings, computed, *ids = extras
+        position_ids, masks, embeddings, computed, per_type, *ids = extras
         kind = self.layer_types[id(block)]
         kwargs = {
             "attention_mask": self._as_handed(masks[kind]),
@@ -133,6 +141,7 @@ class BlockContext:
             "shared_kv_states": {},  # Gemma 4 layers store their K/V for later ones; compose refuses any that reuse
             "input_ids": ids[0] if ids else None,
             **computed,
+            **per_type.get(kind, {}),
             **handed,
         }
         if embeddings is not None:
