@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pp_tp.models.hf.discover import same
 from pp_tp.models.hf.self_check import small_config
 from pp_tp.models.hf.trace import Call, seeded_copy
 
@@ -57,7 +58,7 @@ def _path(cls: type, small: Any) -> tuple[str, ...]:
     value = _tensor(calls[names.index(base)].out)
     for call in [*path, calls[names.index(at)]]:
         given = call.args[0] if len(call.args) == 1 and not call.kwargs else None
-        if not (isinstance(given, torch.Tensor) and isinstance(value, torch.Tensor) and _equal(given, value)):
+        if not (isinstance(given, torch.Tensor) and isinstance(value, torch.Tensor) and same(given, value)):
             return ()
         value = call.out
     return tuple(c.name for c in path)
@@ -66,7 +67,3 @@ def _path(cls: type, small: Any) -> tuple[str, ...]:
 def _tensor(out: Any) -> Any:
     """A base model's last hidden state: its output's first field."""
     return out if isinstance(out, torch.Tensor) else out[0]
-
-
-def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(a, b)
