@@ -7,6 +7,7 @@ weights and token ids; an argument it does not reproduce is refused in one line.
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -15,6 +16,8 @@ from torch import nn
 from pp_tp.errors import ConfigError
 from pp_tp.models.hf.discover import same
 from pp_tp.models.hf.trace import bound_arguments
+
+_MEMO = 8  # distinct position-id sets remembered
 
 
 class _Done(Exception):
@@ -33,10 +36,23 @@ class PositionArgs:
         layers = next(m for m in self.model.modules() if isinstance(m, nn.ModuleList) and len(m) == len(types))
         self.first = {t: layers[types.index(t)] for t in dict.fromkeys(types)}
         self._dtype = torch.float32
+        # The last few microbatches' answers by (rows, dtype, device, position ids): a step's microbatches share their
+        # position ids, so the stand-in runs once per distinct set, not once per microbatch.
+        self._memo: OrderedDict[tuple[Any, ...], dict[str, dict[str, Any]]] = OrderedDict()
 
     def __call__(self, position_ids: torch.Tensor, rows: int, dtype: torch.dtype) -> dict[str, dict[str, Any]]:
         """{layer type: {key: value}} for microbatches of `rows` rows at `position_ids` (values moved to their
         device)."""
+        cpu = position_ids.cpu()
+        key = (rows, dtype, position_ids.device, tuple(cpu.shape), cpu.numpy().tobytes())
+        if key not in self._memo:
+            self._memo[key] = self._run(cpu, rows, dtype, position_ids.device)
+            if len(self._memo) > _MEMO:
+                self._memo.popitem(last=False)
+        return self._memo[key]
+
+    def _run(self, position_ids: torch.Tensor, rows: int, dtype: torch.dtype, device: torch.device) -> dict:
+        """One run of the stand-in on CPU `position_ids`, stopped once every layer type's first layer is reached."""
         if dtype != self._dtype:
             self.model.to(dtype)
             self._dtype = dtype
@@ -52,17 +68,16 @@ class PositionArgs:
             m.register_forward_pre_hook(lambda mod, a, k, kind=t: grab(mod, a, k, kind), with_kwargs=True)
             for t, m in self.first.items()
         ]
-        positions = position_ids.cpu().expand(rows, -1) if position_ids.shape[0] == 1 else position_ids.cpu()
+        positions = position_ids.expand(rows, -1) if position_ids.shape[0] == 1 else position_ids
         ids = torch.randint(0, self.vocab, positions.shape, generator=torch.Generator().manual_seed(1))
         try:
             with torch.no_grad():
-                self.model(input_ids=ids, position_ids=position_ids.cpu(), use_cache=False)
+                self.model(input_ids=ids, position_ids=position_ids, use_cache=False)
         except _Done:
             pass
         finally:
             for handle in handles:
                 handle.remove()
-        device = position_ids.device
         return {
             t: {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in a.items()} for t, a in got.items()
         }
