@@ -13,6 +13,7 @@ import parity_utils as pu
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from test_hf_families import make
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
@@ -79,6 +80,31 @@ def test_llama4_record_is_proven_by_probes():
     rows = torch.zeros(4 * 3, 5)
     rows[[0, 1, 4, 11]] = 1.0  # expert 0: two routed rows, expert 1: one, expert 2: none, expert 3: one
     assert spec.routing_counts((rows,)).tolist() == [2, 1, 0, 1]
+
+
+def test_non_gated_experts_record_and_a_storage_no_split_keeps():
+    """Nemotron-H's experts are not gated (up_proj [E, F, D] -> relu2 -> down_proj [E, D, F]) and declare
+    `colwise` / `rowwise` on them: TP of experts splits up_proj by contiguous shards of F, down_proj on F. Inkling
+    declares plain `colwise` on a concatenated [gate; up]: a contiguous split would hand one rank every gate row,
+    not what its forward computes, so tp > 1 stays refused in one line naming the parts."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from pp_tp.models.hf.experts import experts_spec
+    from pp_tp.models.hf.self_check import small_config
+    from pp_tp.models.hf.tp_plan import block_tp_plan
+
+    def record_and_refusal(model_type: str) -> tuple[ExpertsSpec, str | None]:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(small_config(CONFIG_MAPPING[model_type]()))
+        blocks = list(model.model.layers)
+        return experts_spec(model, "layers", blocks), block_tp_plan(model, "layers", blocks)[1]
+
+    spec, refusal = record_and_refusal("nemotron_h")
+    assert spec.weights == PackedSwiGLU(gate_up="up_proj", concatenated=False) and spec.tp and refusal is None
+    spec, refusal = record_and_refusal("inkling_text")
+    assert not spec.tp
+    assert "'moe_tp_experts' with parts {'gate_up_proj': 'colwise', 'down_proj': 'rowwise'}" in refusal
+    assert "\n" not in refusal
 
 
 def test_torchtitan_record():

@@ -61,6 +61,7 @@ CASES = [
     ("jamba", TP),  # Mamba whole, TP experts
     ("jamba", dict(pp=2, dp_shard=2, schedule="1F1B", microbatches=2)),  # uneven padding across dp
     ("nemotron_h", EP),  # Mamba2, attention, MLP and MoE blocks
+    ("nemotron_h", TP),  # non-gated experts (up_proj, relu2, down_proj) split on their hidden dim
     ("qwen3_5_moe_text", EP),  # gated delta nets beside attention, experts over 2 EP ranks
     ("bamba", TP),  # Mamba2 split by heads (2 groups, one per TP rank); attention and MLP, unplanned, whole
 ]

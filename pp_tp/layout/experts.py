@@ -20,6 +20,8 @@ class PackedSwiGLU:
     """The experts' weights as packed SwiGLU (what TP of experts splits and a checkpoint converts): `gate_up` holds
     gate and up along `gate_up_dim` (gate then up when `concatenated`, else interleaved gate/up pairs), `down` holds
     the expert hidden dim along `down_dim`; optional biases [experts, width] (GPT-OSS) follow their weights.
+    Non-gated experts (Nemotron-H: up -> activation -> down) name their up projection `gate_up`, not concatenated:
+    TP splits it by contiguous shards of the hidden dim, as interleaved pairs are.
     Defaults: transformers' names and storage ([E, 2 * hidden, dim] and [E, dim, hidden])."""
 
     gate_up: str = "gate_up_proj"

@@ -2,8 +2,8 @@
 
 Everything read about a family's experts comes from its record (`ModelLayout.experts_spec`, pp_tp.layout.experts).
 The experts modules it names keep their parameter names; their parameters become DTensors: Shard on the expert
-dim over "ep" (each EP rank a contiguous block of experts), and under TP
-the packed gate/up split per part (every rank keeps matching gate and up rows; interleaved gate/up pairs by plain
+dim over "ep" (each EP rank a contiguous block of experts), and under TP the packed gate/up split per part (every
+rank keeps matching gate and up rows; interleaved gate/up pairs, or a non-gated up projection (Nemotron-H), by plain
 contiguous shards) and down split on its input dim; biases (GPT-OSS) follow: gate/up's like its weight, down's whole
 on every TP rank and added by one of them (pp_tp.parallel.expert_dispatch).
 `.full_tensor()` gives every expert, so checkpoints stay layout-free. The module's class gains a forward that
@@ -113,7 +113,8 @@ def _check_module(fqn: str, module: nn.Module, spec: ExpertsSpec) -> None:
 
 
 def _check_experts_tp(family: str, fqn: str, module: nn.Module, spec: ExpertsSpec, tp: int) -> None:
-    """TP of experts only where the model declares it, on exactly the packed SwiGLU weights its record names."""
+    """TP of experts only where the model declares it, on exactly the packed SwiGLU (or non-gated up/down) weights
+    its record names."""
     if not spec.tp:
         raise ConfigError(
             f"model {family}: its experts ({fqn}) declare no tensor parallelism; set parallel.tp = 1 "
@@ -138,8 +139,8 @@ def _check_experts_tp(family: str, fqn: str, module: nn.Module, spec: ExpertsSpe
 
 def _tp_placement(spec: ExpertsSpec, name: str) -> Placement:
     """How TP splits one experts parameter: gate/up (and its bias) per part when [gate; up] are concatenated, by
-    contiguous shards when interleaved (each shard keeps whole gate/up pairs); down on its input dim; down's bias
-    whole (one TP rank adds it)."""
+    contiguous shards when interleaved (each shard keeps whole gate/up pairs) or non-gated (up alone); down on its
+    input dim; down's bias whole (one TP rank adds it)."""
     w = spec.weights
     if name == w.down_bias:
         return Replicate()

@@ -36,7 +36,7 @@ from pp_tp.models.hf.trace import seeded_copy
 from pp_tp.parallel.tensor_parallel import matches_rule
 
 _BIAS = "e_score_correction_bias"
-_GATE_UP, _DOWN = "gate_up_proj", "down_proj"
+_GATE_UP, _UP, _DOWN = "gate_up_proj", "up_proj", "down_proj"
 _ROWS = 4  # probe rows per expert
 _PROBES: dict[tuple[type, str], tuple[bool, PackedSwiGLU | None]] = {}
 _GROUPED: dict[tuple[type, str, tuple[str, ...]], tuple[str, ...]] = {}
@@ -60,10 +60,11 @@ def experts_spec(model: nn.Module, blocks_key: str, blocks: list[nn.Module]) -> 
         grouped=grouped,
         dense=dense,
         weights=weights,
-        # TP of experts splits plain packed SwiGLU only, stored as the declared rules name it, no norm after each expert
+        # TP of experts splits plain packed SwiGLU or non-gated up/down only, stored as the declared rules name it,
+        # no norm after each expert
         tp=tp_form is not None
         and weights is not None
-        and (weights.gate_up_dim == 2) == tp_form
+        and (weights.gate_up_dim == 2, weights.gate_up == _GATE_UP) == tp_form
         and not getattr(module, "has_post_expert_norm", False),
         count_attr=_count_attr(module),
         routers=block_routers(model, blocks),
@@ -167,24 +168,28 @@ def _declared(module: nn.Module) -> bool:
 
 
 def _candidates(module: nn.Module) -> list[PackedSwiGLU]:
-    """The packings `module` may store: the one transformers declares on it, else every plain one to probe."""
+    """The packings `module` may store: the one transformers declares on it, else every plain one to probe. Experts
+    transformers declares non-gated (`has_gate` False: Nemotron-H's up_proj -> activation -> down_proj) are recorded
+    with up_proj as `gate_up`, not concatenated: split by contiguous shards of its hidden dim, as down's input."""
     params = dict(module.named_parameters(recurse=False))
-    if not getattr(module, "has_gate", True) or _GATE_UP not in params or _DOWN not in params:
+    gated = getattr(module, "has_gate", True)
+    up = _GATE_UP if gated else _UP
+    if up not in params or _DOWN not in params or not (gated or _declared(module)):
         return []
     bias = getattr(module, "has_bias", False)
     forms = (
-        [(module.is_transposed, getattr(module, "is_concatenated", True))]
+        [(module.is_transposed, gated and getattr(module, "is_concatenated", True))]
         if _declared(module)
         else [(t, c) for t in (False, True) for c in (True, False)]
     )
     return [
         PackedSwiGLU(
-            gate_up=_GATE_UP,
+            gate_up=up,
             down=_DOWN,
             gate_up_dim=2 if transposed else 1,
             down_dim=1 if transposed else 2,
             concatenated=concatenated,
-            gate_up_bias=f"{_GATE_UP}_bias" if bias else None,
+            gate_up_bias=f"{up}_bias" if bias else None,
             down_bias=f"{_DOWN}_bias" if bias else None,
         )
         for transposed, concatenated in forms

@@ -12,7 +12,8 @@ Styles pp_tp cannot honour give the layout a `tp_refusal`, raised in one line wh
 MoE experts modules come from `base_model_ep_plan` (`ep_dispatch_experts`), else from the TP plan's `moe_tp_experts`
 rules (Llama 4, LongCat-Flash declare no EP plan); their declared TP (`moe_tp_experts` with gate/up and down named by
 their storage: `packed_colwise` / `rowwise` for [E, 2F, D] / [E, D, F], `packed_rowwise` / `colwise` for the
-transposed [E, D, 2F] / [E, F, D]) is pp_tp's experts pass (pp_tp.parallel.experts), not a style.
+transposed [E, D, 2F] / [E, F, D]; non-gated experts (Nemotron-H) name `up_proj` / `down_proj` `colwise` / `rowwise`
+for [E, F, D] / [E, D, F]) is pp_tp's experts pass (pp_tp.parallel.experts), not a style.
 A child of a TP-split sub-block that holds parameters but no rule is kept whole where a probe proves that exact
 (`_whole_in_region`: a norm over one head, i.e. q/k norms a config declares no rule for, is the q/k-norm style); any
 other (xIELU's learnable scalars) makes its sub-block run whole on every TP rank (`_unprovable_regions`).
@@ -48,11 +49,13 @@ _MLA_WHOLE = ("kv_a_layernorm", "q_a_proj", "q_a_layernorm")
 _FUSED = {"gate_up_proj": "colwise_packed2", "qkv_proj": "colwise_packed3"}
 # HF styles that shard or dispatch MoE experts (the refusal says so; any other unsupported style is named as is).
 _EXPERT_STYLES = {"grouped_gemm", "ep_dispatch_experts", "moe_tp_experts", "packed_colwise", "packed_rowwise"}
-# The expert TP pp_tp's experts pass runs (gate/up split per part on its expert-hidden dim, down on its input dim),
-# as HF spells it for each storage: key = whether the weights are stored transposed ([E, D, 2F] and [E, F, D]).
+# The expert TP pp_tp's experts pass runs (gate/up split per part on its expert-hidden dim F, or a non-gated up_proj
+# on F, down on its input dim F), as HF spells it for each storage: key = (stored transposed, gated): gated [E, 2F, D]
+# / [E, D, F] or transposed [E, D, 2F] / [E, F, D]; non-gated (Nemotron-H) up [E, F, D] / down [E, D, F].
 _EXPERTS_TP = {
-    False: {"": "moe_tp_experts", ".gate_up_proj": "packed_colwise", ".down_proj": "rowwise"},
-    True: {"": "moe_tp_experts", ".gate_up_proj": "packed_rowwise", ".down_proj": "colwise"},
+    (False, True): {"": "moe_tp_experts", ".gate_up_proj": "packed_colwise", ".down_proj": "rowwise"},
+    (True, True): {"": "moe_tp_experts", ".gate_up_proj": "packed_rowwise", ".down_proj": "colwise"},
+    (False, False): {"": "moe_tp_experts", ".up_proj": "colwise", ".down_proj": "rowwise"},
 }
 # Mixers pp_tp splits by heads (parallel/mixer_tp.py): style name -> the record whose attributes a module must have.
 HEAD_SPLITS = {"gated_delta_net": GATED_DELTA_NET, "mamba2": MAMBA2}
@@ -68,7 +71,7 @@ SUPPLIED = {
         **{f"layers.*.self_attn.{p}_proj": "colwise" for p in "qkv"},
         "layers.*.self_attn.o_proj": "rowwise",
         "layers.*.self_attn.sinks": _BY_HEAD,
-        **{f"layers.*.mlp.experts{part}": style for part, style in _EXPERTS_TP[True].items()},  # [E, D, 2F] storage
+        **{f"layers.*.mlp.experts{part}": style for part, style in _EXPERTS_TP[True, True].items()},  # [E, D, 2F]
     },
     "deepseek_v3": {
         **{f"layers.*.self_attn.{name}": "colwise" for name in ("q_proj", "q_b_proj", "kv_b_proj")},
@@ -90,9 +93,9 @@ def declared_tp_plan(config: Any) -> dict[str, str]:
     return {**{r: s for r, s in supplied.items() if _sub_block(r) not in covered}, **declared}
 
 
-def block_experts(model: nn.Module, blocks_key: str) -> tuple[tuple[str, ...], bool | None]:
-    """(block-relative experts modules, the storage their declared TP names: True transposed, False not, None no
-    declared TP). The modules: base_model_ep_plan's `ep_dispatch_experts`, else base_model_tp_plan's
+def block_experts(model: nn.Module, blocks_key: str) -> tuple[tuple[str, ...], tuple[bool, bool] | None]:
+    """(block-relative experts modules, the storage their declared TP names: (transposed, gated) as `_EXPERTS_TP`
+    keys it, None no declared TP). The modules: base_model_ep_plan's `ep_dispatch_experts`, else base_model_tp_plan's
     `moe_tp_experts` (a family declaring no EP plan still names its experts modules there)."""
     prefix = f"{blocks_key}.*."
     declared = declared_tp_plan(model.config)
@@ -126,10 +129,9 @@ def block_tp_plan(model: nn.Module, blocks_key: str, blocks: list[nn.Module]) ->
     plan, by_head, unsupported = _translated(declared, blocks, f"{blocks_key}.*.", block_experts(model, blocks_key))
     if unsupported:
         rule, style = next(iter(unsupported.items()))
-        why = " (MoE experts stay whole per rank)" if style in _EXPERT_STYLES else ""
         return {}, (
             f"model {family}: its tensor-parallel rule {f'{blocks_key}.*.{rule}'!r} uses Hugging Face style "
-            f"{style!r}, which pp_tp does not support{why}; set parallel.tp = 1"
+            f"{style!r}{_unsupported_why(declared, f'{blocks_key}.*.{rule}', style)}; set parallel.tp = 1"
         )
     plan, local_heads = _split_fused(_mla(_whole_mixers(_head_split_mixers(plan, blocks)), blocks), model.config)
     plan.update(_whole_in_region(plan, blocks, model.config))
@@ -145,8 +147,20 @@ def block_tp_plan(model: nn.Module, blocks_key: str, blocks: list[nn.Module]) ->
     return {**dict(sorted(styles.items())), **plan}, None
 
 
+def _unsupported_why(declared: dict[str, str], rule: str, style: str) -> str:
+    """Why pp_tp refuses a declared `style`: experts TP whose parts name no storage `_EXPERTS_TP` knows (Inkling's
+    `colwise` gate_up_proj: a contiguous split of concatenated [gate; up] is not what its forward computes)."""
+    if style != "moe_tp_experts":
+        return ", which pp_tp does not support" + (" (MoE experts stay whole per rank)" * (style in _EXPERT_STYLES))
+    parts = {r[len(rule) + 1 :]: s for r, s in declared.items() if r.startswith(rule + ".")}
+    return f" with parts {parts}, a storage pp_tp's experts pass does not split"
+
+
 def _translated(
-    declared: dict[str, str], blocks: list[nn.Module], prefix: str, experts: tuple[tuple[str, ...], bool | None]
+    declared: dict[str, str],
+    blocks: list[nn.Module],
+    prefix: str,
+    experts: tuple[tuple[str, ...], tuple[bool, bool] | None],
 ) -> tuple[dict[str, str], set[str], dict[str, str]]:
     """(pp_tp block-relative plan of the declared rules under `prefix`, attention modules holding per-head
     parameters, {rule: HF style} for the rules whose style pp_tp does not support, in declared order). The experts
