@@ -58,6 +58,9 @@ CONFIGS = {
     ),
     "phimoe": lambda **kw: T.PhimoeConfig(**BASE, num_local_experts=4, **kw),
     "rwkv": lambda **kw: T.RwkvConfig(**{**RWKV, **IDS, **kw}),
+    "mllama": lambda **kw: T.MllamaConfig(  # text alone: its forward skips the cross-attention layers 1, 2, 3
+        text_config={**BASE, "cross_attention_layers": [1, 2, 3], **kw}
+    ),
     "ctrl": lambda **kw: T.CTRLConfig(
         n_embd=32, n_layer=2, n_head=4, dff=64, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, **IDS, **kw
     ),
@@ -105,6 +108,19 @@ def test_the_gpt2_first_stage_adds_learned_positions_as_its_forward_does():
 def test_structures_it_cannot_prove_are_refused_in_one_line():
     one_line("xlnet", r"XLNetLMHeadModel: its forward calls dropout more than once")  # two-stream, before collectives
     one_line("opt", r"runs \['final_layer_norm', 'project_out'\] after its layers", word_embed_proj_dim=16)
+
+
+def test_layers_the_forward_skips_are_found_by_their_class():
+    """Mllama on text alone skips its cross-attention layers: found on the small copy by class, carried to the full
+    model's indices; a stage passes the hidden state through them unchanged."""
+    from pp_tp.models.hf.handed import handed
+    from pp_tp.models.hf.skipped import skipped_layers
+
+    model = make("mllama", "meta", num_hidden_layers=6, cross_attention_layers=[1, 4])
+    assert skipped_layers(model, "layers", handed(model, "layers")) == {1, 4}
+    lay = layout_for(model)
+    h = torch.randn(2, 3, 32)
+    assert lay.call_block(model.model.layers[4], h, ()) is h
 
 
 def _first_layer_input(model: torch.nn.Module, blocks: str, ids: torch.Tensor, positions: torch.Tensor | None):
@@ -203,6 +219,7 @@ CASES = [
     ("bert-generation", DP2, {}),  # embeddings and layers inside wrappers, no final norm
     ("rwkv", DP2, {}),  # its forward threads a `state` from layer to layer only with a cache: None in training
     ("ctrl", DP2, {}),  # its scale and sinusoidal positions in its own code, replayed by the first stage
+    ("mllama", DP2, {}),  # cross-attention layers skipped on text alone: stage 1 holds only skipped ones; grads None
 ]
 
 

@@ -37,6 +37,7 @@ from pp_tp.models.hf.head_path import before_head
 from pp_tp.models.hf.per_layer_inputs import PerLayerInputs
 from pp_tp.models.hf.randomness import check_randomness
 from pp_tp.models.hf.self_check import self_check
+from pp_tp.models.hf.skipped import skipped_layers, skipping
 from pp_tp.models.hf.tp_plan import block_tp_plan
 from pp_tp.parallel.tensor_parallel import rules_present
 
@@ -197,7 +198,7 @@ def compose(model: nn.Module) -> ModelLayout:
     found = handed(model, blocks_key) if prefix == embedding_parent(model) else None
     ple = per_layer_inputs.find(model, prefix, blocks, found, ple_held)
     rotary = next((f"{prefix}.{n}" for n in extra if "position_ids" in _params(base.get_submodule(n).forward)), None)
-    _refuse_untraceable(model, f"{prefix}.{blocks_key}", found)
+    skipped = _refuse_untraceable(model, blocks_key, found)
     _refuse_cross_layer_inputs(model, f"{prefix}.{blocks_key}", blocks, found)
     types = dict(zip((id(b) for b in blocks), layer_types_of(model.config, len(blocks))))
     block_kwargs = _params(blocks[0].forward) | pp_plan.block_kwargs | pp_plan.computed
@@ -224,7 +225,7 @@ def compose(model: nn.Module) -> ModelLayout:
         block_inputs=ctx.inputs,
         # Positions from the ids' shape, biases from the batch's shape: packed documents' positions reach neither.
         document_block_inputs=None if pp_plan.positions_from_ids or pp_plan.computed else ctx.document_inputs,
-        **_stream_steps(pp_plan, model.config, ctx, ple, (*pp_plan.after_embed, *pre)),
+        **_stream_steps(pp_plan, model.config, ple, pre, skipping(ctx.call, blocks, skipped)),
         tp_plan=tp_plan,
         tp_refusal=tp_refusal,
         experts_spec=experts_spec(model, blocks_key, blocks),
@@ -278,31 +279,36 @@ def _outside_plan(model: nn.Module, pp_plan: PpPlan) -> tuple[list[str], tuple[s
 
 
 def _stream_steps(
-    pp_plan: PpPlan, config: Any, ctx: BlockContext, ple: PerLayerInputs | None, run: tuple[str, ...]
+    pp_plan: PpPlan, config: Any, ple: PerLayerInputs | None, pre: tuple[str, ...], call: Any
 ) -> dict[str, Any]:
     """How the stream is made, handed from layer to layer and ended: the first stage's own path where the forward adds
     more than the embedding (learned positions: EmbedCall; per-layer inputs packed beside the hidden state, which each
-    layer reads its slice of and the last stage drops before its norm); the block context's call otherwise."""
+    layer reads its slice of and the last stage drops before its norm); `call` (the block context's, passing skipped
+    layers by) otherwise; `pre`: the parameterless modules the forward runs before the first layer."""
     if ple is not None:
+        run = (*pp_plan.after_embed, *pre)
         embed = ple.embed_call(
             f"{pp_plan.base}.{pp_plan.embed}", after_embed(config), tuple(f"{pp_plan.base}.{n}" for n in run)
         )
-        return dict(embed_call=embed, call_block=ple.call(ctx.call), before_norm=ple.drop)
+        return dict(embed_call=embed, call_block=ple.call(call), before_norm=ple.drop)
     embed = EmbedCall(pp_plan, after_embed(config)) if pp_plan.adds_positions else None
-    return dict(embed_call=embed, call_block=ctx.call, before_norm=None)
+    return dict(embed_call=embed, call_block=call, before_norm=None)
 
 
 def _takes_var_keywords(block: nn.Module) -> bool:
     return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(block.forward).parameters.values())
 
 
-def _refuse_untraceable(model: nn.Module, blocks_fqn: str, found: Handed | None) -> None:
-    """Refuses what the traced forward (`found`) shows a stage cannot do the same way: layers looped or skipped (Dory's
-    recurrent section, Mllama's cross-attention layers on text alone), or the embedding's output changed by the
-    forward's own code before the first layer (CTRL's scale and sinusoidal positions, RecurrentGemma's normalizer)."""
+def _refuse_untraceable(model: nn.Module, blocks_key: str, found: Handed | None) -> frozenset[int]:
+    """The layers the traced forward (`found`) skips (Mllama's cross-attention layers on text alone: skipped.py);
+    refuses what it shows a stage cannot do the same way: layers looped or reordered (Dory's recurrent section), or
+    the embedding's output changed by the forward's own code before the first layer (CTRL's scale and sinusoidal
+    positions, RecurrentGemma's normalizer)."""
     if found is None:
-        return
-    if not found.run_once_in_order():
+        return frozenset()
+    skipped = skipped_layers(model, blocks_key, found)
+    blocks_fqn = f"{embedding_parent(model)}.{blocks_key}"
+    if skipped is None:
         raise _refuse(
             model,
             f"its forward runs the layers of {blocks_fqn} of its small copy in the order {list(found.runs)} (looped "
@@ -315,6 +321,7 @@ def _refuse_untraceable(model: nn.Module, blocks_fqn: str, found: Handed | None)
             "(a scale or positions of its own code), which pp_tp does not carry into the first stage; register a "
             "layout for it",
         )
+    return skipped
 
 
 def _refuse_cross_layer_inputs(
