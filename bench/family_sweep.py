@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import os
 import site
 import sys
@@ -77,6 +78,27 @@ MAX_PARAMS = 10_000_000  # 4 ranks hold two copies each: a family small_config l
 _EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
 _MOE_SWITCHES = ("enable_moe_block", "is_moe")
 
+# Config values a family's default config leaves broken in transformers' own model (the values its published
+# checkpoints use), applied before small_config; each row's note says "config repaired: key=value". Only what the
+# plain model needs to build and run, never anything pp_tp would need.
+_QSA = dict(indexer_n_heads=8, indexer_kv_heads=1, indexer_head_dim=256, indexer_budget=8, indexer_compress_ratio=4)
+CONFIG_REPAIRS: dict[str, dict[str, Any]] = {
+    # rope_parameters left {} while every layer is "full_attention": "KeyError: 'full_attention'" (the rotary reads
+    # rope_parameters[layer type]); RoPE at the default base, not checked against CohereLabs/North-Micro-Vision.
+    "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+    # attn_config without rope_theta: "'DbrxAttentionConfig' object has no attribute 'rope_theta'"; then clip_qkv
+    # None: "torch.clamp: At least one of 'min' or 'max' must not be None". dbrx-instruct's values.
+    "dbrx": {"attn_config": {"rope_theta": 500000.0, "clip_qkv": 8}},
+    # layer_types left None: "'NoneType' object is not subscriptable" (modeling_lfm2_moe.py:474). LFM2's hybrid
+    # pattern: short convolutions, a full-attention layer every 4th.
+    "lfm2_moe": {"layer_types": ["full_attention" if i % 4 == 2 else "conv" for i in range(32)]},
+    # layer_types default to "indexed_attention" with every indexer_* field None: "unsupported operand type(s) for
+    # //: 'NoneType' and 'NoneType'" (modeling_qwen4_exp.py:699). The validator's constraints (one key head, head dim
+    # >= the rotary dim 256, budget a multiple of the ratio); a budget of 8 tokens, so 16-token rows really select.
+    "qwen4_exp": {"text_config": _QSA},
+    "qwen4_exp_text": _QSA,
+}
+
 
 class Skip(Exception):
     """The reference model itself could not be built or run: the family is out of the sweep, not pp_tp's fault."""
@@ -97,10 +119,17 @@ def out_of_scope(model_type: str) -> str | None:
     )
     if any(model_type in m for m in mappings):
         return "encoder-decoder or encoder-only"
+    if "shared_kv_states" in inspect.signature(_causal_lm_class(model_type).forward).parameters:
+        return "draft model: its forward needs another model's embeddings and KV states (shared_kv_states)"
     multimodal = (MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
     if any(model_type in m for m in multimodal) and not _text_config_class(model_type):
         return "multimodal: an image or audio encoder beside the decoder"
     return None
+
+
+def _causal_lm_class(model_type: str) -> type:
+    """The causal-LM class transformers maps this type to."""
+    return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
 
 
 def _text_config_class(model_type: str) -> bool:
@@ -128,7 +157,9 @@ def is_moe(config: Any) -> bool:
     `is_moe`: their default builds are dense): these run with the MoE layout (`--moe-layout`)."""
     if any(getattr(config, k, None) is False for k in _MOE_SWITCHES):
         return False
-    return max((getattr(config, k, None) or 0 for k in _EXPERT_COUNTS), default=0) > 1
+    ffn = getattr(config, "ffn_config", None)  # DBRX: the expert count in its FFN sub-config
+    counts = [getattr(config, k, None) for k in _EXPERT_COUNTS] + [getattr(ffn, "moe_num_experts", None)]
+    return max(c or 0 for c in counts) > 1
 
 
 # MoE layouts on 4 ranks: experts whole on every rank (pp2 x dp_shard2), split over 2 EP ranks (pp2 x dp_shard2
@@ -180,11 +211,30 @@ def _seed_values(model: torch.nn.Module) -> None:
     stir_zero_buffers(model, gen)
 
 
+def default_config(model_type: str) -> Any:
+    """The family's default config, with its `CONFIG_REPAIRS` entry."""
+    return CONFIG_MAPPING[model_type](**CONFIG_REPAIRS.get(model_type, {}))
+
+
+def repair_note(model_type: str) -> str:
+    """ "config repaired: key=value, ..." for a type with a `CONFIG_REPAIRS` entry (nested dicts as dotted keys,
+    long values cut), else ""."""
+
+    def flat(prefix: str, value: Any) -> list[str]:
+        if isinstance(value, dict):
+            return [item for k, v in value.items() for item in flat(f"{prefix}{k}.", v)]
+        text = repr(value)
+        return [f"{prefix[:-1]}={text if len(text) <= 60 else text[:56] + ' ...'}"]
+
+    repairs = CONFIG_REPAIRS.get(model_type)
+    return f"config repaired: {', '.join(flat('', repairs))}" if repairs else ""
+
+
 def reference_model(model_type: str) -> tuple[torch.nn.Module, str]:
     """The family's default config shrunk by pp_tp's `small_config`, fp32, seeded values; and its attention
     implementation (sdpa, else eager). Raises `Skip` when transformers cannot build it."""
     try:
-        config = CONFIG_MAPPING[model_type]()
+        config = default_config(model_type)
     except Exception as e:  # noqa: BLE001 - a family whose default config does not build is out of the sweep
         raise Skip(f"config: {_one_line(e)}") from e
     if _text_config_class(model_type):  # the decoder alone, as from_config builds it
@@ -242,7 +292,7 @@ def family_case(model_type: str, moe_layout: str = "ep") -> dict[str, Any]:
         "family": type(model).__name__,
         "layout": layout_name(pcfg),
         "attn": attn,
-        "dropout": _dropout_keys(CONFIG_MAPPING[model_type]()),
+        "dropout": _dropout_keys(default_config(model_type)),
     }
     noise = noise_keys(model)  # random draws beyond dropout: pp_tp builds with them on, the runs compare without
     out["noise"] = switch_off_noise(model, noise)
@@ -417,6 +467,7 @@ def sweep(names: Sequence[str], world: World, moe_layout: str = "ep") -> list[Ro
             row = classify(name, world.run(family_case, name, moe_layout, timeout=CASE_TIMEOUT_S))
         except RankError as e:  # the world is gone already; the next run starts a fresh one
             row = Row(name, _class_name(name), "", "wrong", note=f"rank crash: {str(e).splitlines()[0]}")
+        row.note = "; ".join(filter(None, (row.note, repair_note(name))))
         if row.verdict == "wrong" and row.loss_score is None:  # an exception: a collective may have stopped midway
             world.close()  # so the next family starts on fresh process groups
         rows.append(row)

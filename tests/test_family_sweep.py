@@ -91,3 +91,14 @@ def test_a_wrong_gradient_is_wrong_against_the_float64_truth():
         row = rows[plant]
         assert row.verdict == "wrong" and row.loss_score <= 1.0 and row.grad_score > 1e5, row
         assert row.note.startswith(f"worst grad {worst}"), row
+
+
+def test_a_repaired_default_config_says_so():
+    """DBRX's default attn_config lacks rope_theta and clip_qkv, which its own model reads ("no attribute
+    'rope_theta'", then "torch.clamp: At least one of 'min' or 'max' must not be None"): the sweep's config carries
+    dbrx-instruct's values (the sweep shows the model then builds and runs), and the row's note names the repair."""
+    attn = family_sweep.default_config("dbrx").attn_config
+    assert (attn.rope_theta, attn.clip_qkv, attn.kv_n_heads) == (500000.0, 8, 1)  # the rest stays default
+    note = family_sweep.repair_note("dbrx")
+    assert note == "config repaired: attn_config.rope_theta=500000.0, attn_config.clip_qkv=8"
+    assert family_sweep.repair_note("llama") == ""

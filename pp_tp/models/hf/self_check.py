@@ -170,8 +170,9 @@ def _widths(config, n_layers: int) -> dict:
             sizes["n_shared_experts"] = 1 if get("n_shared_experts") is None else min(get("n_shared_experts"), 1)
     if (get("n_group") or 1) > 1:  # group-limited routing: 2 groups of 2 experts, one group picked
         sizes.update(n_group=2, topk_group=1)
-    if get("first_k_dense_replace"):  # one dense layer, then MoE layers
-        sizes["first_k_dense_replace"] = 1
+    for key in ("first_k_dense_replace", "num_dense_layers"):  # one dense layer, then MoE layers (LFM2-MoE's name)
+        if get(key):
+            sizes[key] = 1
     fraction = _rotary_fraction(config)
     if get("qk_rope_head_dim") is not None and get("head_dim") == get("qk_rope_head_dim"):
         sizes["head_dim"] = _SIZES["qk_rope_head_dim"]
