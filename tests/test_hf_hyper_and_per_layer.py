@@ -155,3 +155,20 @@ def test_what_the_forward_hands_its_layers_is_taken_from_it(model_type):
     with torch.device("meta"):
         model = T.AutoModelForCausalLM.from_config(config)
     assert layout_for(model).blocks == "model.layers"
+
+
+def test_a_flat_stream_is_carried_viewed_and_handed_to_each_layer_flat():
+    from types import SimpleNamespace
+
+    from pp_tp.models.hf import hyper
+
+    config = SimpleNamespace(hc_count=3)  # Qwen4-Exp's form: the embedding repeated along the hidden axis
+    assert hyper.streams(config) == 3 and hyper.flat(config) and not hyper.flat(SimpleNamespace(hc_mult=3))
+    h = torch.randn(2, 5, 4)
+    flat = after_embed(config)(h)
+    assert torch.equal(flat, h.repeat(1, 1, 3))
+    seen = []
+    call = hyper.flat_call(lambda block, x, extras: seen.append(x.shape) or x * 2, 3)
+    out = call(None, call(None, flat, ()), ())  # first layer after the embedding, then one after a boundary
+    assert seen == [(2, 5, 12), (2, 5, 12)] and out.shape == (2, 5, 3, 4)
+    assert torch.equal(hyper.flatten(out), flat * 4)

@@ -118,12 +118,15 @@ class BlockContext:
         masks = self.masks.build(self.config, h, position_ids)
         embeddings: Any = None
         if self.rotary is not None:
+            # One row of tables per batch row, as the model's own forward builds them (Qwen4-Exp's indexer picks
+            # each row's tables by batch index); broadcasting made them equal for every other family.
+            rows = position_ids.expand(h.shape[0], -1)
             rotary = stage.get_submodule(self.rotary)
             if self.per_type_rotary:
                 # A type the forward hands no tables may have none to build (Beam's NoPE full-attention layers).
-                embeddings = {t: rotary(h, position_ids, t) for t in self.tables if t not in self.no_rotary}
+                embeddings = {t: rotary(h, rows, t) for t in self.tables if t not in self.no_rotary}
             else:
-                embeddings = rotary(h, position_ids)
+                embeddings = rotary(h, rows)
         per_type = self.position_args(position_ids, h.shape[0], h.dtype) if self.position_args is not None else {}
         return position_ids, masks, embeddings, self.computed(h) if self.computed is not None else {}, per_type
 

@@ -25,14 +25,13 @@ def _own(config: Any, key: str) -> Any:
 
 def after_embed(config) -> Transform | None:
     """Granite multiplies the embeddings by `embedding_multiplier` in the base model's forward; hyper-connection
-    families (`hc_mult`: DeepSeek-V4, HY-V4) then copy them into the `[B, S, hc_mult, D]` residual stream."""
+    families (`hc_mult`: DeepSeek-V4, HY-V4; `hc_count`: Qwen4-Exp, flat) then copy them into the residual streams."""
     steps: list[Transform] = []
     multiplier = _own(config, "embedding_multiplier")
     if multiplier not in (None, 1.0):
         steps.append(lambda h: h * multiplier)
-    n = hyper.streams(config)
-    if n is not None:
-        steps.append(hyper.expand(n))
+    if hyper.streams(config) is not None:
+        steps.append(hyper.expand(config))
     return _chain(steps)
 
 

@@ -292,7 +292,7 @@ def _stream_steps(
         )
         return dict(embed_call=embed, call_block=ple.call(call), before_norm=ple.drop)
     embed = EmbedCall(pp_plan, after_embed(config)) if pp_plan.adds_positions else None
-    return dict(embed_call=embed, call_block=call, before_norm=None)
+    return dict(embed_call=embed, **hyper.stream_calls(config, call))  # flat hyper streams: hyper.py
 
 
 def _takes_var_keywords(block: nn.Module) -> bool:
