@@ -53,7 +53,7 @@ def flat_call(inner: Callable[..., torch.Tensor], n: int) -> Callable[..., torch
     straight after the embedding) and its output goes on viewed `[B, S, n, D]`, the boundary's shape."""
 
     def call_block(block: torch.nn.Module, h: torch.Tensor, extras: Any, **handed: Any) -> torch.Tensor:
-        out = inner(block, h.flatten(2) if h.dim() == 4 else h, extras, **handed)
+        out = inner(block, flatten(h), extras, **handed)
         return out.unflatten(-1, (n, -1))
 
     return call_block
