@@ -4,9 +4,10 @@ per layer through `config.per_layer_config[i]`) and per-layer inputs (Gemma 4's,
 stage boundaries), exact against the model's own run (fp32: loss, every full gradient, parameters after two AdamW
 steps; test_hf_families' lockstep), and what cannot be given exactly refused in one line.
 
-DeepSeek-V4 runs at pp2 x ep2 (experts split over ep, FSDP over dp_shard 2), not at tp2: its attention is shared-KV
-MQA (one KV head), which the preflight's head check refuses at tp 2 although V4's declared TP plan splits only the
-experts. Its hash-routed layers route by `tid2eid[input_ids]`, all zeros at init (every token to expert 0, whatever
+DeepSeek-V4 runs at pp2 x ep2 (experts split over ep, FSDP over dp_shard 2) and at pp2 x tp2: its declared TP plan
+splits only the experts, so its shared-KV MQA attention (one KV head, which no TP degree divides) runs whole on every TP
+rank and the preflight's head check, which holds only where the plan splits attention, lets it pass. Its hash-routed
+layers route by `tid2eid[input_ids]`, all zeros at init (every token to expert 0, whatever
 its id): the hash-routed case fills the table so that the route depends on the id, and puts a hash-routed layer on
 each stage.
 """
@@ -53,6 +54,7 @@ CASES = [
     ("nanochat_norm_before_layers", dict(pp=2, tp=2, schedule="1F1B", microbatches=2)),
     ("moshi_causal_mask", dict(pp=2, dp_shard=2, schedule="1F1B", microbatches=2)),
     ("deepseek_v4_hash_routed", dict(pp=2, dp_shard=2, ep=2, schedule="1F1B", microbatches=2)),
+    ("deepseek_v4_score_routed", dict(pp=2, tp=2, schedule="1F1B", microbatches=2)),  # attention whole, TP experts
 ]
 
 
@@ -115,6 +117,16 @@ def test_tp_divisibility_is_checked_per_layer():
         model = T.AutoModelForCausalLM.from_config(config)
     with pytest.raises(ConfigError, match=r"model.n_kv_heads = 1 is not divisible by parallel.tp = 2"):
         _preflight(model, pp=2, tp=2)
+
+
+def test_heads_need_divide_tp_only_where_the_plan_splits_attention():
+    """DeepSeek-V4's one KV head passes at tp 2 (its plan leaves attention whole: no head split, no KV heads to
+    divide); a Llama with one KV head, whose plan splits k_proj by rows, is refused (a split would cut the head)."""
+    _preflight(make("deepseek_v4_score_routed", "meta"), pp=2, tp=2)
+    with torch.device("meta"):
+        llama = T.LlamaForCausalLM(T.LlamaConfig(**{**BASE, "num_key_value_heads": 1}))
+    with pytest.raises(ConfigError, match=r"model.n_kv_heads = 1 is not divisible by parallel.tp = 2"):
+        _preflight(llama, pp=2, tp=2)
 
 
 @pytest.mark.parametrize(

@@ -54,15 +54,18 @@ TP = dict(pp=2, tp=2, schedule="1F1B", microbatches=2)
 EP = dict(pp=2, dp_shard=2, ep=2, schedule="1F1B", microbatches=2)
 CASES = [
     ("qwen3_next", TP),  # gated-delta-net, attention heads and TP experts split
+    ("qwen3_next", EP),  # gated delta nets beside attention, experts over 2 EP ranks, shared expert gated
     ("qwen3_5_text", dict(pp=2, tp=2, schedule="ZBVZeroBubble", microbatches=4)),
     ("kimi_linear", TP),  # KDA whole, MLA heads split
     ("deepseek_v32", TP),  # MLA heads split, the indexer whole beside the latents
+    ("deepseek_v32", EP),  # the indexer's top-k per EP rank's own tokens, experts over 2 EP ranks
     ("axk2", TP),  # as V3.2, q_gate_proj reading [q_resid, q_compressed]: its input gradient left partial
     ("jamba", TP),  # Mamba whole, TP experts
-    ("jamba", dict(pp=2, dp_shard=2, schedule="1F1B", microbatches=2)),  # uneven padding across dp
+    ("jamba", EP),  # experts over 2 EP ranks; uneven padding across dp
     ("nemotron_h", EP),  # Mamba2, attention, MLP and MoE blocks
     ("nemotron_h", TP),  # non-gated experts (up_proj, relu2, down_proj) split on their hidden dim
     ("qwen3_5_moe_text", EP),  # gated delta nets beside attention, experts over 2 EP ranks
+    ("qwen3_5_moe_text", TP),  # gated delta nets split by heads, TP experts
     ("bamba", TP),  # Mamba2 split by heads (2 groups, one per TP rank); attention and MLP, unplanned, whole
 ]
 

@@ -16,13 +16,28 @@ from pp_tp.parallel.tensor_parallel import block_plan, verify
 from pp_tp.parallel.tp_styles import TP_STYLES
 
 
+def _splits(style: str) -> bool:
+    """Whether TP style `style` splits what it is applied to (else it only places activations)."""
+    record = TP_STYLES[style]
+    return record.sharded_dim is not None or record.head_params or record.parts > 1 or record.splits_mixer
+
+
 def _shards(fqn: str, resolved: dict[str, str]) -> bool:
     """Whether a rule of `resolved` (a block's FQN -> style) splits the module at `fqn` or a module holding it."""
-    for rule_fqn, style in resolved.items():
-        record = TP_STYLES[style]
-        if (fqn == rule_fqn or fqn.startswith(rule_fqn + ".")) and (
-            record.sharded_dim is not None or record.head_params or record.parts > 1 or record.splits_mixer
-        ):
+    return any((fqn == rule or fqn.startswith(rule + ".")) and _splits(style) for rule, style in resolved.items())
+
+
+def splits_attention(model: nn.Module, layout: ModelLayout) -> bool:
+    """Whether the TP plan splits anything inside some block's attention module (`layout.attention`): only then must
+    its heads and KV heads divide by parallel.tp. Attention the plan leaves whole (DeepSeek-V4's, whose single KV
+    head no TP degree divides) runs whole on every TP rank, exact. A block without that module counts as split: pp_tp
+    cannot tell which of its rules are attention's, so the head checks stay."""
+    prefix = layout.attention + "."
+    for block in model.get_submodule(layout.blocks).children():
+        if not any(name == layout.attention for name, _ in block.named_modules()):
+            return True
+        resolved = verify(block, block_plan(block, layout)).resolved
+        if any((rule == layout.attention or rule.startswith(prefix)) and _splits(s) for rule, s in resolved.items()):
             return True
     return False
 

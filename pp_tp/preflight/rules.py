@@ -21,6 +21,7 @@ from pp_tp.parallel.float8 import check_float8
 from pp_tp.parallel.rng import DEVICES, active_dropout
 from pp_tp.parallel.tensor_parallel import block_plan, check_tp_plan
 from pp_tp.parallel.tp_styles import TP_STYLES
+from pp_tp.parallel.whole_on_tp import splits_attention
 from pp_tp.runtime.balancing import check_balancing
 from pp_tp.split.plan import StagePlan, plan_stages
 from pp_tp.stages.stage_module import reserved_name
@@ -37,8 +38,9 @@ class Preflight:
     parallel: ParallelConfig
 
 
-def check_model_shape(pcfg: ParallelConfig, d: ModelDims) -> None:
-    """Refuses a model shape TP cannot shard evenly (heads, KV heads, FFN, vocabulary)."""
+def check_model_shape(pcfg: ParallelConfig, d: ModelDims, split_heads: bool = True) -> None:
+    """Refuses a model shape TP cannot shard evenly (heads and KV heads where `split_heads`: the TP plan splits
+    attention; FFN, vocabulary)."""
     if not d.head_dim:  # head_dim derived from dim: it must divide, and RoPE needs it even
         _check_divisible("model.dim", d.dim, "model.n_heads", d.n_heads)
     if not d.head_dim and (d.dim // d.n_heads) % 2:
@@ -48,9 +50,9 @@ def check_model_shape(pcfg: ParallelConfig, d: ModelDims) -> None:
             "head_dim"
         )
     _check_divisible("model.n_heads", d.n_heads, "model.n_kv_heads", d.n_kv_heads)
+    heads = (("model.n_heads", d.n_heads), ("model.n_kv_heads", d.n_kv_heads)) if split_heads else ()
     for key, value in (
-        ("model.n_heads", d.n_heads),
-        ("model.n_kv_heads", d.n_kv_heads),
+        *heads,
         ("model.ffn_dim", d.ffn_dim),
         ("model.vocab_size", d.vocab_size),
     ):
@@ -179,7 +181,7 @@ def preflight(
     check_layout_names(layout)
     check_layout_holds_all(model, layout)
     check_loss(layout, pcfg, custom_loss)
-    check_model_shape(pcfg, d)
+    check_model_shape(pcfg, d, pcfg.tp == 1 or splits_attention(model, layout))
     if seq_len is not None and layout.is_lm:  # other models take no token sequence
         check_seq_len(seq_len, d)
     check_tied(pcfg, d)
