@@ -79,6 +79,24 @@ def test_mixer_families_match_their_own_forward(world):
     hf.assert_exact(world(4).run(run_mixers, CASES), CASES)
 
 
+def test_a_handed_on_value_no_layer_reads_is_not_carried():
+    """GLM-MoE-DSA's forward hands each layer the previous layer's top-k indices; with every layer's own indexer
+    (its default) no layer's output depends on them, so pp_tp runs it (exact in bench/family_sweep.py); with a
+    shared-indexer layer, which reads them, it is refused in one line."""
+    from pp_tp.models.hf.threaded import unread
+
+    def model(**kw):
+        with torch.device("meta"):
+            return T.AutoModelForCausalLM.from_config(small_config(CONFIG_MAPPING["glm_moe_dsa"](**kw)))
+
+    assert unread(model(), "layers", "prev_topk_indices")
+    shared = dict(num_hidden_layers=4, indexer_types=["full", "shared"] * 2, mlp_layer_types=["dense"] * 4)
+    assert not unread(model(**shared), "layers", "prev_topk_indices")
+    with pytest.raises(ConfigError, match=r"hands each layer the previous layer's 'topk_indices'") as e:
+        layout_for(model(**shared))
+    assert "\n" not in str(e.value)
+
+
 def test_an_unknown_layer_type_is_refused_in_one_line():
     config = small_config(T.Qwen3NextConfig())
     config.layer_types = ["linear_attention", "telepathic_attention"]

@@ -14,12 +14,10 @@ small copy, or refuses the family in one line.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import inspect
 import math
 import sys
-import textwrap
 from typing import Any
 
 from torch import nn
@@ -38,6 +36,7 @@ from pp_tp.models.hf.per_layer_inputs import PerLayerInputs
 from pp_tp.models.hf.randomness import check_randomness
 from pp_tp.models.hf.self_check import self_check
 from pp_tp.models.hf.skipped import skipped_layers, skipping
+from pp_tp.models.hf.threaded import threaded_state, unread
 from pp_tp.models.hf.tp_plan import block_tp_plan
 from pp_tp.parallel.tensor_parallel import rules_present
 
@@ -330,9 +329,12 @@ def _refuse_cross_layer_inputs(
     """Refuses layers that need more than the hidden state, the block context and the token ids: a value the
     previous layer returned that the traced forward (`found`) really hands on, or keys and values another layer
     computed (Gemma 4's `num_kv_shared_layers`, which the model's own forward hands from layer to layer)."""
-    threaded = _threaded_state(model, blocks_fqn.rpartition(".")[2], blocks[0])
-    # Threaded in the source, but None for every layer in a forward without cache (RWKV's `state`): nothing to carry.
-    if threaded and (found is None or any(layer.get(threaded[0]) is not None for layer in found.layers)):
+    blocks_key = blocks_fqn.rpartition(".")[2]
+    threaded = threaded_state(model, blocks_key, blocks[0])
+    # Threaded in the source, but None for every layer in a forward without cache (RWKV's `state`), or read by no
+    # layer (GLM-MoE-DSA's `prev_topk_indices` where every layer has its own indexer): nothing to carry.
+    handed_on = threaded and (found is None or any(layer.get(threaded[0]) is not None for layer in found.layers))
+    if handed_on and not unread(model, blocks_key, threaded[0]):
         raise _refuse(
             model,
             f"its forward hands each layer the previous layer's {threaded[2]!r} (as {threaded[1]!r}), which pp_tp "
@@ -345,37 +347,6 @@ def _refuse_cross_layer_inputs(
             f"num_kv_shared_layers = {shared}: its last layers reuse keys and values earlier layers computed, which "
             "pp_tp does not carry from layer to layer or across stages; set it to 0",
         )
-
-
-def _threaded_state(model: nn.Module, blocks_key: str, block: nn.Module) -> tuple[str, str, str] | None:
-    """(the layer's parameter, how it is passed: its keyword or `argument i`, the value) where the base model's
-    forward, in a loop over `self.<blocks_key>`, passes a layer, beside its hidden state, a value the previous layer
-    returned (HY-V4: `hidden_states, topk_indices = layer(..., prev_topk_indices=topk_indices)`; Zaya positionally);
-    None when it passes none (or its source cannot be read). The hidden state may go by any name (xLSTM's
-    `hidden_states_chunk`)."""
-    base = model.get_submodule(embedding_parent(model))
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(type(base).forward)))
-    except (OSError, TypeError, SyntaxError):
-        return None
-    params = list(inspect.signature(block.forward).parameters) or [""]
-    for loop in ast.walk(tree):
-        if not (isinstance(loop, ast.For) and blocks_key in ast.unparse(loop.iter)):
-            continue
-        layer_names = {t.id for t in ast.walk(loop.target) if isinstance(t, ast.Name)}
-        for node in ast.walk(loop):
-            if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)):
-                continue
-            returned = {t.id for t in ast.walk(node.targets[0]) if isinstance(t, ast.Name)}
-            called = node.value.func
-            layer_call = isinstance(called, ast.Name) and called.id in layer_names
-            passed = [(kw.arg, kw.arg, kw.value) for kw in node.value.keywords if kw.arg]
-            args = node.value.args[: len(params)] if layer_call else []  # by the parameter each binds to
-            passed += [(params[i], f"argument {i + 1}", arg) for i, arg in enumerate(args)]
-            for name, shown, value in passed:
-                if name != params[0] and isinstance(value, ast.Name) and value.id in returned - {"hidden_states"}:
-                    return name, shown, value.id
-    return None
 
 
 def _unspecialized(*_: Any) -> Any:
