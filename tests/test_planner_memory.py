@@ -5,8 +5,8 @@ AdamW step) after the pipeline is built: the sum of the current sizes of every l
 rank's thread touches, sampled after every aten/c10d op (a TorchDispatchMode). A storage is known once it
 is an input or output of an op, or the storage of a parameter or buffer at the start; it is live until its
 StorageImpl is freed (a weak reference to the storage, not to a tensor: autograd's saved tensors share
-storages with tensors that are gone), and its size is read again at every sample while a tensor on it is
-alive, because FSDP2 resizes its all-gather storages in place (resize_ outside the dispatcher). This is
+storages with tensors that are gone), and its size is read again at every sample, because FSDP2 resizes its
+all-gather storages in place (resize_ outside the dispatcher). This is
 tensor memory only: no allocator caching or fragmentation, no Python objects, no gloo's own buffers. Two
 steps, so the second one sees what the first leaves behind: pipeline receive buffers, AdamW states,
 gradients. The prediction is `pp_tp.planner.plan_job(cfg, 4)`'s RankMemory.total_bytes for the rank's pp
@@ -21,7 +21,6 @@ import weakref
 
 import pytest
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -56,15 +55,16 @@ def job(name: str) -> dict:
     return {**BASE, "model": model, "parallel": {"tp": 1, "dp_shard": 1, "mixed_precision": "fp32", **CASES[name]}}
 
 
-_expired = torch.UntypedStorage._expired  # what StorageWeakRef.expired calls, without its Python wrappers
-
-
 class LiveStorageBytes(TorchDispatchMode):
-    """Peak of the summed current sizes of the live storages seen (see the module docstring)."""
+    """Peak of the summed current sizes of the live storages seen (see the module docstring). A storage is held by a
+    weak reference to its Python object, which torch keeps alive exactly as long as the storage (PyObject
+    preservation: autograd's saved tensors keep it too); that object reads the storage's current size directly, so a
+    sample is one dereference and one size read per storage (measured against an expiry check, a tensor reference
+    and a storage lookup per storage: the same peaks on every rank of every case, a case's CPU time down 30 %)."""
 
     def __init__(self):
         super().__init__()
-        self._seen: dict[int, list] = {}  # storage key -> [StorageWeakRef, weakref to a tensor on it, bytes]
+        self._seen: dict[int, weakref.ref] = {}  # storage key -> weak reference to the storage's Python object
         self.peak = 0
 
     def track(self, t: torch.Tensor) -> None:
@@ -74,24 +74,19 @@ class LiveStorageBytes(TorchDispatchMode):
         if t.device.type == "meta":
             return
         storage = t.untyped_storage()
-        entry = self._seen.get(storage._cdata)
-        if entry is None or _expired(entry[0].cdata):
-            self._seen[storage._cdata] = [StorageWeakRef(storage), weakref.ref(t), storage.nbytes()]
-        elif entry[1]() is None:
-            entry[1] = weakref.ref(t)
+        ref = self._seen.get(storage._cdata)
+        if ref is None or ref() is None:
+            self._seen[storage._cdata] = weakref.ref(storage)
 
     def sample(self) -> None:
-        """Runs after every op: the loop calls the storage's C-level expiry check directly (the wrapper's two Python
-        levels dominated the test's run time)."""
+        """Runs after every op."""
         total, dead = 0, []
-        for key, entry in self._seen.items():
-            if _expired(entry[0].cdata):
+        for key, ref in self._seen.items():
+            storage = ref()
+            if storage is None:
                 dead.append(key)
-                continue
-            t = entry[1]()
-            if t is not None:
-                entry[2] = t.untyped_storage().nbytes()
-            total += entry[2]
+            else:
+                total += storage.nbytes()
         for key in dead:
             del self._seen[key]
         if total > self.peak:

@@ -16,7 +16,7 @@ scales and its norm must be right).
 Test-only stand-ins, for torchtitan's own code on this machine: its device module (it picks "cuda" with no
 accelerator) becomes a CPU one; the references get `torch.distributed.set_timeout` as pp_tp's model_spec installs
 it, their FSDP reduces with a plain sum (gloo has no PREMUL_SUM) and torchtitan's own pp2 schedule gets the
-microbatch `step` torch 2.13's schedules lack.
+microbatch `step` torch 2.13's schedules lack; the trainer's closing 2 s sleep on rank 0 is skipped.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import json
 import os
 import shutil
 import sys
+import time
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -53,11 +54,22 @@ REPO = Path(__file__).resolve().parent.parent
 MODELS = {"llama3": ("llama3", "debugmodel"), "qwen3_moe": ("qwen3", "debugmodel_moe")}
 
 
+def _time_without_sleep() -> types.ModuleType:
+    """torchtitan's trainer module's `time`, less its 2 s sleep on rank 0 after the last step ("for other ranks to
+    complete"): the world waits for every rank's answer anyway, and 7 Trainer runs here slept 14 s."""
+    stand_in = types.ModuleType("time")
+    stand_in.__dict__.update(vars(time))
+    stand_in.sleep = lambda seconds: None
+    return stand_in
+
+
 @contextlib.contextmanager
 def cpu_device() -> Iterator[None]:
     """torchtitan's device module as a CPU stand-in while a Trainer runs: with no accelerator torchtitan still picks
-    "cuda" (tools.utils.get_device_info). Every loaded torchtitan module's bound names are patched and restored."""
+    "cuda" (tools.utils.get_device_info). Every loaded torchtitan module's bound names are patched and restored, and
+    the trainer's closing sleep is skipped (_time_without_sleep)."""
     import torchtitan.tools.utils as tu
+    import torchtitan.trainer
 
     noop = lambda *a, **k: None  # noqa: E731
     cpu = types.SimpleNamespace(
@@ -67,6 +79,7 @@ def cpu_device() -> Iterator[None]:
     )  # fmt: skip
     originals = {"device_module": (tu.device_module, cpu), "device_type": (tu.device_type, "cpu")}
     with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(torchtitan.trainer, "time", _time_without_sleep()))
         for module in [m for name, m in sys.modules.items() if name.startswith("torchtitan")]:
             for attr, (old, new) in originals.items():
                 if getattr(module, attr, None) is old:

@@ -48,7 +48,8 @@ from torch.distributed.tensor.placement_types import _StridedShard as StridedSha
 # Tells tensor subclasses (DTensor & co.) from plain tensors. Public replacement: none.
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass  # noqa: F401
 
-# Flattens collective arguments in the comm ledger. Public: torch.utils.pytree (experimental).
+# Flattens collective arguments in the comm ledger and a layer's outputs (models/hf/threaded.py). Public:
+# torch.utils.pytree (experimental).
 from torch.utils._pytree import tree_flatten  # noqa: F401
 
 

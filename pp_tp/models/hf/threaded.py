@@ -11,8 +11,8 @@ import textwrap
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
+from pp_tp.base._torch import tree_flatten
 from pp_tp.models.hf.discover import embedding_parent
 from pp_tp.models.hf.self_check import small_config
 from pp_tp.models.hf.trace import seeded_copy, trace
@@ -82,7 +82,7 @@ def _same_without(layer: nn.Module, args: tuple, kwargs: dict, out: object, name
         bound.arguments[var] = {**bound.arguments[var], name: None}
     with torch.no_grad():
         again = layer(*bound.args, **bound.kwargs)
-    before, after = tree_leaves(out), tree_leaves(again)
+    before, after = tree_flatten(out)[0], tree_flatten(again)[0]
     return len(before) == len(after) and all(
         torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(before, after)
     )
