@@ -1,7 +1,7 @@
 """Hyper-connections (DeepSeek-V4: a `[B, S, hc_mult, D]` residual stream across stage boundaries, `hc_head` before
 the final norm), token ids on every stage (DeepSeek-V4's hash-routed MoE layers), per-layer configs (Gemma 4: `head_dim`
 per layer through `config.per_layer_config[i]`) and per-layer inputs (Gemma 4's, packed beside the hidden state across
-stage boundaries), exact against the model's own run (fp32: loss, every full gradient, parameters after two AdamW
+stage boundaries; with its MoE blocks at pp2 x ep2 too), exact against the model's own run (fp32: loss, every full gradient, parameters after two AdamW
 steps; test_hf_families' lockstep), and what cannot be given exactly refused in one line.
 
 DeepSeek-V4 runs at pp2 x ep2 (experts split over ep, FSDP over dp_shard 2) and at pp2 x tp2: its declared TP plan
@@ -42,6 +42,12 @@ FAMILIES.update(
         "deepseek_v4_score_routed": ("deepseek_v4", dict(mlp_layer_types=["moe"] * 4), "eager"),
         "deepseek_v4_hash_routed": ("deepseek_v4", dict(mlp_layer_types=["moe", "hash_moe"] * 2), "eager"),
         "gemma4_per_layer_head_dim": (T.Gemma4TextConfig, GEMMA4, "sdpa"),
+        # Gemma 4's MoE blocks (its 26B-A4B form): a router and experts beside the dense MLP in every layer
+        "gemma4_moe": (
+            T.Gemma4TextConfig,
+            dict(GEMMA4, enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=32),
+            "sdpa",
+        ),
         # a parameterless norm the forward runs before its layers too; logits softcapped
         "nanochat_norm_before_layers": ("nanochat", {}, "sdpa"),
         # a causal mask although its config sets a window
@@ -55,6 +61,7 @@ CASES = [
     ("moshi_causal_mask", dict(pp=2, dp_shard=2, schedule="1F1B", microbatches=2)),
     ("deepseek_v4_hash_routed", dict(pp=2, dp_shard=2, ep=2, schedule="1F1B", microbatches=2)),
     ("deepseek_v4_score_routed", dict(pp=2, tp=2, schedule="1F1B", microbatches=2)),  # attention whole, TP experts
+    ("gemma4_moe", dict(pp=2, dp_shard=2, ep=2, schedule="1F1B", microbatches=2)),  # per-layer inputs beside EP
 ]
 
 
