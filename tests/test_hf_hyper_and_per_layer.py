@@ -1,8 +1,9 @@
 """Hyper-connections (DeepSeek-V4: a `[B, S, hc_mult, D]` residual stream across stage boundaries, `hc_head` before
 the final norm), token ids on every stage (DeepSeek-V4's hash-routed MoE layers), per-layer configs (Gemma 4: `head_dim`
 per layer through `config.per_layer_config[i]`) and per-layer inputs (Gemma 4's, packed beside the hidden state across
-stage boundaries; with its MoE blocks at pp2 x ep2 too), exact against the model's own run (fp32: loss, every full gradient, parameters after two AdamW
-steps; test_hf_families' lockstep), and what cannot be given exactly refused in one line.
+stage boundaries; with its MoE blocks at pp2 x ep2 too), exact against the model's own run (fp32: loss, every full
+gradient, parameters after two AdamW steps; test_hf_families' lockstep), and what cannot be given exactly refused in
+one line.
 
 DeepSeek-V4 runs at pp2 x ep2 (experts split over ep, FSDP over dp_shard 2) and at pp2 x tp2: its declared TP plan
 splits only the experts, so its shared-KV MQA attention (one KV head, which no TP degree divides) runs whole on every TP
