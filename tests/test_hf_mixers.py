@@ -46,6 +46,7 @@ MIXERS = (
     "jamba",
     "nemotron_h",
     "axk2",
+    "glm_moe_dsa",
 )
 MIXERS += ("bamba",)
 hf.FAMILIES.update({name: (functools.partial(_small, name), {}, "sdpa") for name in MIXERS})
@@ -59,6 +60,7 @@ CASES = [
     ("kimi_linear", TP),  # KDA whole, MLA heads split
     ("deepseek_v32", TP),  # MLA heads split, the indexer whole beside the latents
     ("deepseek_v32", EP),  # the indexer's top-k per EP rank's own tokens, experts over 2 EP ranks
+    ("glm_moe_dsa", EP),  # each layer handed the previous one's top-k indices, read by none: not carried
     ("axk2", TP),  # as V3.2, q_gate_proj reading [q_resid, q_compressed]: its input gradient left partial
     ("jamba", TP),  # Mamba whole, TP experts
     ("jamba", EP),  # experts over 2 EP ranks; uneven padding across dp
@@ -81,8 +83,8 @@ def test_mixer_families_match_their_own_forward(world):
 
 def test_a_handed_on_value_no_layer_reads_is_not_carried():
     """GLM-MoE-DSA's forward hands each layer the previous layer's top-k indices; with every layer's own indexer
-    (its default) no layer's output depends on them, so pp_tp runs it (exact in bench/family_sweep.py); with a
-    shared-indexer layer, which reads them, it is refused in one line."""
+    (its default) no layer's output depends on them, so pp_tp runs it without them (its pp2 x ep2 case is in CASES);
+    with a shared-indexer layer, which reads them, it is refused in one line."""
     from pp_tp.models.hf.threaded import unread
 
     def model(**kw):
