@@ -252,3 +252,55 @@ def storage_id(storage: torch.UntypedStorage) -> int:
 def tensor_version(t: torch.Tensor) -> int:
     """A tensor's in-place modification counter (autograd's). Public replacement: none."""
     return t._version
+
+
+# Attention blocks that return their log-sum-exp, and the kernels' backward run with a merged output and
+# log-sum-exp: context parallel's exact blockwise attention (pp_tp/parallel/cp_attention_blocks.py), as torch's ring
+# attention merges its blocks. Public replacement: none (F.scaled_dot_product_attention returns no log-sum-exp).
+def sdpa_lse_kernel(q: torch.Tensor, heads_kv: int) -> str | None:
+    """The fused kernel the blocks run on for queries like `q` against `heads_kv` key heads: "cpu" (flash for CPU:
+    any float dtype, grouped heads), "cuda" (flash: fp16/bf16, head dim a multiple of 8 up to 256, equal heads, as
+    flash's own checks ask), None where neither takes them (callers keep the masked path)."""
+    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        return "cpu"
+    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
+        if q.shape[-1] % 8 == 0 and q.shape[-1] <= 256 and q.shape[1] == heads_kv:
+            return "cuda"
+    return None
+
+
+def sdpa_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None
+) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """(out, logsumexp [B, H, L], what the CUDA backward needs beside them) of one attention block, dropout off."""
+    aten = torch.ops.aten
+    if q.device.type == "cpu":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, lse, ()
+    out, lse, cq, ck, mq, mk, seed, offset, _ = aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, causal, False, scale=scale
+    )
+    return out, lse, (cq, ck, mq, mk, seed, offset)
+
+
+def sdpa_backward_with_lse(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float | None,
+    state: tuple,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The block's kernel backward given the (merged) output and log-sum-exp of its rows: grads of q, k, v."""
+    aten = torch.ops.aten
+    if not state:
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, out, lse, 0.0, causal, scale=scale
+        )
+    cq, ck, mq, mk, seed, offset = state
+    return aten._scaled_dot_product_flash_attention_backward(
+        grad, q, k, v, out, lse, cq, ck, mq, mk, 0.0, causal, seed, offset, scale=scale
+    )[:3]

@@ -24,9 +24,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from pp_tp.base._torch import sdpa_lse_kernel
 from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
 from pp_tp.layout import ModelLayout
+from pp_tp.parallel.cp_attention_blocks import causal_blocks
 from pp_tp.parallel.rng import active_dropout
 
 # Installers: (attention module, ContextParallel) -> True when they made the module gather K/V over cp.
@@ -39,25 +41,34 @@ def register_cp_attention(install: Callable[[nn.Module, ContextParallel], bool])
 
 
 class _GatherSequence(torch.autograd.Function):
-    """All-gather along a sequence dim, rank-major; backward: each rank's slice of the gradient summed over cp."""
+    """All-gather along a sequence dim, rank-major or in sequence order (`ordered`: each rank's head and tail chunks
+    put back where they belong); backward: each rank's slice of the gradient summed over cp."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, cp: ContextParallel) -> torch.Tensor:
-        ctx.dim, ctx.cp = dim, cp
+    def forward(ctx: Any, x: torch.Tensor, dim: int, cp: ContextParallel, ordered: bool) -> torch.Tensor:
+        ctx.dim, ctx.cp, ctx.ordered = dim, cp, ordered
         out = x.new_empty((cp.size * x.shape[0], *x.shape[1:]))
         dist.all_gather_single(out, x.contiguous(), group=cp.group)
-        return torch.cat(out.chunk(cp.size), dim=dim)
+        ranks = out.chunk(cp.size)
+        if not ordered:
+            return torch.cat(ranks, dim=dim)
+        halves = [r.chunk(2, dim=dim) for r in ranks]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim=dim)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         cp = ctx.cp
-        parts = torch.cat(grad.chunk(cp.size, dim=ctx.dim))  # rank-major along dim 0
+        if ctx.ordered:  # sequence order back to rank-major: rank r's chunks r and 2cp-1-r
+            chunks = grad.chunk(2 * cp.size, dim=ctx.dim)
+            parts = torch.cat([torch.cat([chunks[r], chunks[-1 - r]], dim=ctx.dim) for r in range(cp.size)])
+        else:
+            parts = torch.cat(grad.chunk(cp.size, dim=ctx.dim))  # rank-major along dim 0
         if dist.get_backend(cp.group) == "nccl":
             out = parts.new_empty((parts.shape[0] // cp.size, *parts.shape[1:]))
             dist.reduce_scatter_single(out, parts, group=cp.group)
-            return out, None, None
+            return out, None, None, None
         dist.all_reduce(parts, group=cp.group)  # gloo has no reduce-scatter
-        return parts.chunk(cp.size)[cp.rank].contiguous(), None, None
+        return parts.chunk(cp.size)[cp.rank].contiguous(), None, None, None
 
 
 class ContextParallel:
@@ -101,9 +112,24 @@ class ContextParallel:
         """Position ids [batch, seq / cp] of this rank's tokens in their sequences (rotary tables, masks)."""
         return self.chunk_positions(seq, self.rank, device).expand(batch, -1)
 
-    def gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        """Every cp rank's `t` concatenated along the sequence dim `dim`, rank-major (keys: `mask`'s columns)."""
-        return _GatherSequence.apply(t, dim, self)
+    def gather(self, t: torch.Tensor, dim: int, ordered: bool = False) -> torch.Tensor:
+        """Every cp rank's `t` concatenated along the sequence dim `dim`: rank-major (keys: `mask`'s columns), or
+        in sequence order (`ordered`, what `causal_attention` reads)."""
+        return _GatherSequence.apply(t, dim, self, ordered)
+
+    def fused(self, q: torch.Tensor, k: torch.Tensor) -> bool:
+        """Whether `causal_attention` runs queries `q` [B, H, S/cp, D] and keys `k` [B, Hkv, S/cp, D] on a fused
+        kernel (pp_tp.base._torch.sdpa_lse_kernel); else a caller keeps the masked path."""
+        return sdpa_lse_kernel(q, k.shape[1]) is not None
+
+    def causal_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+    ) -> torch.Tensor:
+        """Causal attention [B, H, S/cp, D] of this rank's queries over the whole sequence, no mask built: K and V
+        [B, Hkv, S/cp, D] all-gathered in sequence order, each head-tail chunk by two fused blocks merged exactly by
+        their log-sum-exp (pp_tp/parallel/cp_attention_blocks.py). Grouped heads and `scale` as SDPA takes them."""
+        k, v = self.gather(k, 2, ordered=True), self.gather(v, 2, ordered=True)
+        return causal_blocks(q, k, v, (self.rank, 2 * self.size - 1 - self.rank), scale)
 
     def mask(self, local: int, device: torch.device, window: int | None = None) -> torch.Tensor:
         """Boolean [local, cp * local]: this rank's queries (rows, its head-tail positions) against the gathered

@@ -3,11 +3,13 @@
 A transformers attention module computes its queries, keys and values (rotary at the positions it is given) and
 then calls `ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)`. Under
 context parallel each attention module of a stage gets a config copy naming `CP_ATTENTION`, registered with
-transformers' AttentionInterface: it all-gathers K and V over cp and calls the function the model chose ("sdpa",
-or the family's own eager one: sinks, softcapping) on the local queries against every key, with the causal or
-sliding-window mask of this layer's type at the rank's head-tail positions, inside packed documents where the
-step has them (the mask transformers built for the local tokens alone is not used). Other kernels (flash, flex)
-are refused in one line.
+transformers' AttentionInterface. A plain causal SDPA layer (full attention, no packed documents) runs
+`ContextParallel.causal_attention`: fused blocks over K/V gathered in sequence order, merged by log-sum-exp, no mask.
+Every other layer all-gathers K and V over cp and calls the function the model chose ("sdpa", or the family's own
+eager one: sinks, softcapping) on the local queries against every key, with the boolean causal or sliding-window
+mask of this layer's type at the rank's head-tail positions, inside packed documents where the step has them (the
+mask transformers built for the local tokens alone is not used). Other kernels (flash, flex) are refused in one
+line.
 """
 
 from __future__ import annotations
@@ -51,6 +53,18 @@ def _inner(module: nn.Module) -> Callable[..., Any]:
     return ALL_ATTENTION_FUNCTIONS.get_interface(module.cp_kernel, eager)
 
 
+def _blockwise(
+    module: nn.Module, window: int | None, cp: ContextParallel, query: torch.Tensor, key: torch.Tensor, kwargs: dict
+) -> bool:
+    """Whether the layer is plain causal SDPA, which `ContextParallel.causal_attention` runs exactly with no mask:
+    the "sdpa" kernel (eager functions add softcapping, sinks), no window, no packed documents, no dropout, position
+    bias, softcap or sinks argument, causal, on a fused kernel for these tensors. Everything else keeps the boolean-mask path."""
+    plain = module.cp_kernel == "sdpa" and window is None and not cp.documents and not kwargs.get("dropout")
+    plain = plain and all(kwargs.get(k) is None for k in ("position_bias", "softcap", "s_aux"))
+    plain = plain and kwargs.get("is_causal", getattr(module, "is_causal", True))
+    return bool(plain) and cp.fused(query, key)
+
+
 def cp_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -61,8 +75,12 @@ def cp_attention(
 ) -> tuple[torch.Tensor, Any]:
     """Local queries [B, H, S/cp, D] against the keys and values of every cp rank, under this layer's mask."""
     cp: ContextParallel = module.context_parallel
+    window = _window(module)
+    if _blockwise(module, window, cp, query, key, kwargs):
+        out = cp.causal_attention(query, key, value, kwargs.get("scaling"))
+        return out.transpose(1, 2).contiguous(), None  # [B, S/cp, H, D], as transformers' sdpa_attention_forward
     key, value = cp.gather(key, 2), cp.gather(value, 2)
-    allowed = cp.attention_mask(query.shape[2], query.device, _window(module), kwargs.get("position_ids"))
+    allowed = cp.attention_mask(query.shape[2], query.device, window, kwargs.get("position_ids"))
     if module.cp_kernel == "eager":  # eager functions add the mask to the scores
         mask = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device)
         mask = mask.masked_fill(~allowed, torch.finfo(query.dtype).min)

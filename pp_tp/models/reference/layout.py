@@ -25,12 +25,15 @@ def _init_buffers(stage: nn.Module, model: Transformer) -> None:
     init_expert_bias(stage)  # persistent: a source, when there is one, overwrites it afterwards
 
 
-def _document_mask(stage: nn.Module, position_ids: torch.Tensor) -> torch.Tensor:
-    """The blocks' mask for per-token positions: over the keys gathered under context parallel (its cp rank's
-    queries, inside their documents when the step packs them), else `document_mask`."""
+def _document_mask(stage: nn.Module, position_ids: torch.Tensor) -> torch.Tensor | None:
+    """The blocks' mask for per-token positions: over the keys gathered under context parallel when the step packs
+    documents (its cp rank's queries inside their documents), None for plain causal under cp (the attention runs
+    by blocks, no mask), else `document_mask`."""
     cp = getattr(stage, "context_parallel", None)
     if cp is None:
         return document_mask(position_ids)
+    if not cp.documents:
+        return None
     return cp.attention_mask(position_ids.shape[1], position_ids.device, None, position_ids)
 
 

@@ -69,7 +69,7 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     # Set by context parallel (pp_tp.parallel.context_parallel): the rank's queries attend to the keys and values
-    # of the whole sequence, gathered over the cp ranks, under the causal mask of their head-tail positions.
+    # of the whole sequence, gathered over the cp ranks: causal by blocks with no mask, or under a given mask.
     context_parallel = None
 
     def __init__(self, args: ModelArgs):
@@ -95,11 +95,14 @@ class Attention(nn.Module):
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         cp = self.context_parallel
-        if cp is not None:  # a stage's given mask already covers the gathered keys (layout.py)
-            k, v = cp.gather(k, 2), cp.gather(v, 2)
-            mask = cp.mask(s, x.device) if mask is None else mask
-        gqa = q.shape[1] != k.shape[1]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
+        if cp is not None and mask is None and cp.fused(q, k):  # causal over the gathered keys, no mask built
+            out = cp.causal_attention(q, k, v)
+        else:
+            if cp is not None:  # a given mask (packed documents) covers the gathered keys (layout.py)
+                k, v = cp.gather(k, 2), cp.gather(v, 2)
+                mask = cp.mask(s, x.device) if mask is None else mask  # no fused kernel for these tensors
+            gqa = q.shape[1] != k.shape[1]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
