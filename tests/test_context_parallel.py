@@ -189,3 +189,48 @@ def test_softcapping_and_sink_families_under_cp(world):
     import test_hf_families as hf
 
     hf.assert_exact(world.run(hf.run_all, CP_FAMILIES), CP_FAMILIES)
+
+
+def _blocks_step(seq: int) -> dict:
+    """Runs on every rank: one pp2 x cp2 step of the reference model under an aten op counter, with every tensor
+    autograd saves recorded (shape) and every op's output shape."""
+    from pp_tp.base._torch import TorchDispatchMode, tree_flatten
+
+    flash, fwd_masks, shapes = [0, 0], [], set()
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            if name.startswith("_scaled_dot_product_flash_attention_for_cpu"):
+                flash[name.endswith("_backward")] += 1
+                fwd_masks.append((kwargs or {}).get("attn_mask") is not None)
+            shapes.update(tuple(t.shape) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+            return out
+
+    pcfg = pu.pcfg_of(pp=2, cp=2, microbatches=2)
+    pipe = pu.pipeline(pcfg, pu.reference_state()).pipe
+    ids, labels = pu.batch(pu.TINY, 4, seq)
+    saved = set()
+    hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: saved.add(tuple(t.shape)) or t, lambda t: t)
+    with Count(), hooks:
+        pipe.step(ids, labels)
+    cp = pipe.model_parts[0].context_parallel
+    return {"flash": flash, "masked": any(fwd_masks), "saved": saved, "shapes": shapes, "cp_rank": cp.rank,
+            "held": cp.held_bytes(), "layers": sum(len(p.block_modules()) for p in pipe.model_parts)}  # fmt: skip
+
+
+def _has_pair(shape: tuple, a: int, b: int) -> bool:
+    return any(shape[i : i + 2] == (a, b) for i in range(len(shape) - 1))
+
+
+def test_causal_layers_run_fused_blocks_with_no_mask(world):
+    """Plain causal attention under cp2 dispatches only the flash-for-CPU kernel, with no mask: per layer and
+    microbatch, cp rank 0 one block for its head chunk and two (prefix, diagonal) for its tail, rank 1 two and two,
+    as many backward calls; no [S/cp, S] tensor is saved or made by any op, none is cached."""
+    seq = 24
+    for r in world.run(_blocks_step, seq):
+        calls = r["layers"] * 2 * (3 if r["cp_rank"] == 0 else 4)  # 2 microbatches
+        assert r["flash"] == [calls, calls] and not r["masked"] and r["held"] == 0, r["flash"]
+        assert not [s for s in r["saved"] | r["shapes"] if _has_pair(s, seq // 2, seq)], r["saved"]
+        assert (2, 2, seq, 8) in r["saved"]  # K and V gathered in sequence order: 2 rows, 2 KV heads, head dim 8

@@ -51,7 +51,12 @@ class _CausalBlocks(torch.autograd.Function):
             acc = torch.promote_types(lse.dtype, out.dtype)
             mix = out0.to(acc) * (lse0 - both).exp()[..., None] + out.to(acc) * (lse - both).exp()[..., None]
             merged[i] = (mix.to(out.dtype), both)
-        out = torch.cat([merged[i][0] for i in range(len(starts))], dim=2)
+        b, h, n, d = q.shape
+        # [B, S/cp, H, D] in memory, as SDPA's own output: the caller's transpose back to tokens is then a view, so
+        # the output projection saves this same storage rather than a copy
+        out = q.new_empty(b, n, h, v.shape[-1]).transpose(1, 2)
+        for i, (block, _) in merged.items():
+            out[:, :, i * c : (i + 1) * c] = block
         lse = torch.cat([merged[i][1] for i in range(len(starts))], dim=2)
         ctx.calls, ctx.states, ctx.c, ctx.scale = calls, states, c, scale
         ctx.save_for_backward(q, k, v, out, lse)
