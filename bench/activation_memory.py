@@ -3,6 +3,7 @@
     python bench/activation_memory.py
     python bench/activation_memory.py --m 2 4 8 16 --pp 2
     python bench/activation_memory.py --cp 1 2 4 --seq 512   # context parallel at one global sequence
+    python bench/activation_memory.py --cp 1 2 --seq 2048 --dim 64 --rows 2   # issue 47's run
 
 With --cp: pp2 x cp (2 x cp ranks, 1F1B, m = 2) for each cp at the same global batch and sequence, the step's
 peak of saved activations per rank against cp = 1 (the issue's bar: at most 0.55x at cp2, 0.30x at cp4) and
@@ -67,13 +68,22 @@ def measure_cp(pcfg: pp_tp.ParallelConfig, args: ModelArgs, rows: int, seq: int)
     """On every rank: the peak of saved activations over one step (after a warm-up step) of a pp x cp pipeline."""
     pipe = pp_tp.build_pipeline(Transformer(args), pp_tp.build_mesh(pcfg), pcfg, seq_len=seq)
     ids, labels = batch(args, rows, seq)
-    pipe.step(ids, labels)
+    local, masks = seq // pcfg.cp, []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:  # a saved tensor with a [S/cp, S] (or [S, S]) pair of dims: a mask
+        if any(t.shape[i : i + 2] == (local, seq) for i in range(t.dim() - 1)):
+            masks.append(t.nbytes)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        pipe.step(ids, labels)
     with SavedActivations(nn.ModuleList(pipe.model_parts)) as saved:
         pipe.step(ids, labels)
     return {
         "pp rank": pipe.mesh.get_local_rank("pp"),
         "cp rank": pipe.mesh.get_local_rank("cp") if pcfg.cp > 1 else 0,
         "peak": saved.peak,
+        "masks": (len(masks), sum(masks)),
     }
 
 
@@ -92,10 +102,10 @@ def planned_cp(pcfg: pp_tp.ParallelConfig, args: ModelArgs, rows: int, seq: int)
     return plan_job(cfg, pcfg.world_size).schedules[0].act_peak_bytes
 
 
-def main_cp(cps: list[int], seq: int) -> None:
+def main_cp(cps: list[int], seq: int, dim: int, rows: int) -> None:
     """pp2 x cp for each cp at one global batch and sequence: measured peaks per rank against cp = 1 and the plan."""
-    args = ModelArgs(vocab_size=512, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384, max_seq_len=seq)
-    rows, out = 4, []
+    args = ModelArgs(vocab_size=512, dim=dim, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=3 * dim, max_seq_len=seq)
+    out = []
     for cp in cps:
         pcfg = pp_tp.ParallelConfig(pp=2, cp=cp, dp_shard=1, schedule="1F1B", microbatches=2, mixed_precision="fp32")
         planned = planned_cp(pcfg, args, rows, seq)
@@ -105,14 +115,18 @@ def main_cp(cps: list[int], seq: int) -> None:
         finally:
             world.close()
     base = {r["pp rank"]: r["peak"] for cp, r, _ in out if cp == 1}
-    table_rows = [("cp", "pp rank", "cp rank", "measured MiB", "vs cp=1", "planned MiB", "measured/planned")]
+    head = ("cp", "pp rank", "cp rank", "measured MiB", "vs cp=1", "planned MiB", "measured/planned", "[S/cp,S] saved")
+    table_rows = [head]
     for cp, r, plan in sorted(out, key=lambda x: (x[0], x[1]["pp rank"], x[1]["cp rank"])):
         vs = f"{r['peak'] / base[r['pp rank']]:.3f}" if base else "-"
-        mib = f"{r['peak'] / 2**20:.2f}"
-        table_rows.append((cp, r["pp rank"], r["cp rank"], mib, vs, f"{plan / 2**20:.2f}", f"{r['peak'] / plan:.3f}"))
+        mib, masks = f"{r['peak'] / 2**20:.2f}", f"{r['masks'][0]} ({r['masks'][1] / 2**20:.1f} MiB)"
+        table_rows.append(
+            (cp, r["pp rank"], r["cp rank"], mib, vs, f"{plan / 2**20:.2f}", f"{r['peak'] / plan:.3f}", masks)
+        )
     print(
         f"model dim={args.dim} layers={args.n_layers} heads={args.n_heads}/{args.n_kv_heads} vocab={args.vocab_size}; "
-        f"global batch {rows}x{seq}; pp=2 x cp, 1F1B, m=2; fp32"
+        f"global batch {rows}x{seq}; pp=2 x cp, 1F1B, m=2; fp32; '[S/cp,S] saved': tensors with that pair of dims "
+        "saved for backward in one step (count, bytes)"
     )
     print(table(table_rows))
 
@@ -123,9 +137,11 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--cp", type=int, nargs="+", default=None, help="context-parallel degrees (cp 1 first)")
+    parser.add_argument("--dim", type=int, default=128, help="with --cp: the model width (ffn 3x)")
+    parser.add_argument("--rows", type=int, default=4, help="with --cp: the global batch's rows (2 microbatches)")
     a = parser.parse_args()
     if a.cp:
-        main_cp(a.cp, a.seq)
+        main_cp(a.cp, a.seq, a.dim, a.rows)
         return
     args = ModelArgs(vocab_size=512, dim=128, n_layers=4 * a.pp, n_heads=4, ffn_dim=384, max_seq_len=a.seq)
     rows = [

@@ -194,7 +194,7 @@ def test_softcapping_and_sink_families_under_cp(world):
 def _blocks_step(seq: int) -> dict:
     """Runs on every rank: one pp2 x cp2 step of the reference model under an aten op counter, with every tensor
     autograd saves recorded (shape) and every op's output shape."""
-    from pp_tp.base._torch import TorchDispatchMode, tree_flatten
+    from pp_tp.base._torch import TorchDispatchMode, storage_id, tree_flatten
 
     flash, fwd_masks, shapes = [0, 0], [], set()
 
@@ -216,8 +216,16 @@ def _blocks_step(seq: int) -> dict:
     with Count(), hooks:
         pipe.step(ids, labels)
     cp = pipe.model_parts[0].context_parallel
+    masks = []  # packed documents keep a mask: the tensors saved with its [S/cp, S] dims, kept alive to tell apart
+    positions = torch.cat([torch.arange(10), torch.arange(seq - 10)]).expand(4, -1)  # two documents a row
+    hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: masks.append(t) or t, lambda t: t)
+    with hooks:
+        pipe.step(ids, labels, positions)
+    masks = [t for t in masks if _has_pair(tuple(t.shape), seq // 2, seq)]
     return {"flash": flash, "masked": any(fwd_masks), "saved": saved, "shapes": shapes, "cp_rank": cp.rank,
-            "held": cp.held_bytes(), "layers": sum(len(p.block_modules()) for p in pipe.model_parts)}  # fmt: skip
+            "held": cp.held_bytes(), "layers": sum(len(p.block_modules()) for p in pipe.model_parts),
+            "doc_masks": (len(masks), len({storage_id(t.untyped_storage()) for t in masks}),
+                          {(t.dtype, t.shape[0]) for t in masks})}  # fmt: skip
 
 
 def _has_pair(shape: tuple, a: int, b: int) -> bool:
@@ -227,10 +235,14 @@ def _has_pair(shape: tuple, a: int, b: int) -> bool:
 def test_causal_layers_run_fused_blocks_with_no_mask(world):
     """Plain causal attention under cp2 dispatches only the flash-for-CPU kernel, with no mask: per layer and
     microbatch, cp rank 0 one block for its head chunk and two (prefix, diagonal) for its tail, rank 1 two and two,
-    as many backward calls; no [S/cp, S] tensor is saved or made by any op, none is cached."""
+    as many backward calls; no [S/cp, S] tensor is saved or made by any op, none is cached. With packed documents
+    the layers share one float mask per microbatch."""
     seq = 24
     for r in world.run(_blocks_step, seq):
         calls = r["layers"] * 2 * (3 if r["cp_rank"] == 0 else 4)  # 2 microbatches
         assert r["flash"] == [calls, calls] and not r["masked"] and r["held"] == 0, r["flash"]
         assert not [s for s in r["saved"] | r["shapes"] if _has_pair(s, seq // 2, seq)], r["saved"]
         assert (2, 2, seq, 8) in r["saved"]  # K and V gathered in sequence order: 2 rows, 2 KV heads, head dim 8
+        # packed documents: every layer saves the mask, one float mask per microbatch shared by the rank's layers
+        # (SDPA would have converted the boolean one in each layer)
+        assert r["doc_masks"] == (r["layers"] * 2, 2, {(torch.float32, 2)}), r["doc_masks"]

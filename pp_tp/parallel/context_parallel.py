@@ -79,10 +79,32 @@ class ContextParallel:
         self.size = mesh["cp"].size()
         self.rank = mesh.get_local_rank("cp")
         self._masks: dict[tuple, torch.Tensor] = {}
-        # Whether this step's rows pack documents (set by Pipeline for the whole step, so a forward recomputed in
-        # backward masks alike); then masks follow the position ids (`attention_mask`), at one all-gather of them.
-        self.documents = False
+        self._documents = False
         self._document_masks: tuple[torch.Tensor, int | None, torch.Tensor] | None = None
+        self._additive: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def documents(self) -> bool:
+        """Whether this step's rows pack documents (set by Pipeline for the whole step, so a forward recomputed in
+        backward masks alike); then masks follow the position ids (`attention_mask`), at one all-gather of them."""
+        return self._documents
+
+    @documents.setter
+    def documents(self, packed: bool) -> None:
+        self._documents = packed
+        self._additive.clear()  # a new step: its float masks are built afresh (`additive`)
+
+    def additive(self, allowed: torch.Tensor, dtype: torch.dtype, fill: float, window: int | None) -> torch.Tensor:
+        """The boolean mask `allowed` as the float one attention adds to its scores (0 where allowed, `fill` where
+        not: -inf is what SDPA makes of a boolean mask), built once and shared by every layer of this `window` that
+        passes the same boolean mask in this step. SDPA would otherwise convert it in every layer and save each
+        float copy for backward; a shared one is one storage however many layers save it."""
+        key = (window, dtype, fill)
+        hit = self._additive.get(key)
+        if hit is None or hit[0] is not allowed:
+            hit = (allowed, torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, fill))
+            self._additive[key] = hit
+        return hit[1]
 
     def chunk_positions(self, seq: int, rank: int, device: torch.device | None = None) -> torch.Tensor:
         """The global positions cp rank `rank` holds of a `seq`-long sequence: chunks rank and 2cp-1-rank."""

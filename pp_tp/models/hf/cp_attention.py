@@ -58,7 +58,8 @@ def _blockwise(
 ) -> bool:
     """Whether the layer is plain causal SDPA, which `ContextParallel.causal_attention` runs exactly with no mask:
     the "sdpa" kernel (eager functions add softcapping, sinks), no window, no packed documents, no dropout, position
-    bias, softcap or sinks argument, causal, on a fused kernel for these tensors. Everything else keeps the boolean-mask path."""
+    bias, softcap or sinks argument, causal, on a fused kernel for these tensors. Everything else keeps the
+    boolean-mask path."""
     plain = module.cp_kernel == "sdpa" and window is None and not cp.documents and not kwargs.get("dropout")
     plain = plain and all(kwargs.get(k) is None for k in ("position_bias", "softcap", "s_aux"))
     plain = plain and kwargs.get("is_causal", getattr(module, "is_causal", True))
@@ -81,11 +82,10 @@ def cp_attention(
         return out.transpose(1, 2).contiguous(), None  # [B, S/cp, H, D], as transformers' sdpa_attention_forward
     key, value = cp.gather(key, 2), cp.gather(value, 2)
     allowed = cp.attention_mask(query.shape[2], query.device, window, kwargs.get("position_ids"))
-    if module.cp_kernel == "eager":  # eager functions add the mask to the scores
-        mask = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device)
-        mask = mask.masked_fill(~allowed, torch.finfo(query.dtype).min)
-    else:
-        mask = allowed
+    # eager functions add the mask to the scores (transformers fills with the dtype's min); SDPA would turn a boolean
+    # mask into -inf itself in every layer: one float mask per step and window, shared by the layers
+    fill = torch.finfo(query.dtype).min if module.cp_kernel == "eager" else float("-inf")
+    mask = cp.additive(allowed, query.dtype, fill, window)
     return _inner(module)(module, query, key, value, mask, **kwargs)
 
 

@@ -101,6 +101,7 @@ class Attention(nn.Module):
             if cp is not None:  # a given mask (packed documents) covers the gathered keys (layout.py)
                 k, v = cp.gather(k, 2), cp.gather(v, 2)
                 mask = cp.mask(s, x.device) if mask is None else mask  # no fused kernel for these tensors
+                mask = cp.additive(mask, q.dtype, float("-inf"), None)  # one float mask for all layers this step
             gqa = q.shape[1] != k.shape[1]
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
