@@ -8,10 +8,11 @@ run's collective ledger; bench/activation_memory.py --cp checks the activation p
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 
-from pp_tp.config import config_from_dict
+from pp_tp.config import config_from_dict, load_config
 from pp_tp.layout import layout_for
 from pp_tp.models.factory import build_model
 from pp_tp.planner import format_plan, plan_job, search
@@ -102,3 +103,11 @@ def test_search_tries_cp_and_charges_its_all_gathers(monkeypatch):
     sent = rank_kv_bytes(2, lay.pcfg, lay.microbatch, SEQ, dims)  # two layers on each pp rank
     assert sent == 2 * 2 * M * kv_gather_bytes(lay.microbatch, SEQ, dims, lay.pcfg) / 2
     assert with_kv - step_time(cfg, lay, dev, dims) == pytest.approx(sent / dev.nvlink_bw * (1 + lay.bubble))
+
+
+def test_long_context_config_plans_without_masks():
+    """Llama 3 8B at 131072 tokens (pp2 x tp8 x cp32): causal layers save no [S/cp, S] mask and cache none, so pp
+    rank 0 peaks at about 17 GiB; SDPA's float mask, 1 GiB per layer, made it 49.85 GiB before issue 47."""
+    path = os.path.join(os.path.dirname(__file__), "..", "toml_configs", "llama3_8b_128k.toml")
+    job = plan_job(load_config(path, world_size=512), 512)
+    assert job.peak_bytes / 2**30 <= 28 and all(r.buffer_bytes == 8 * 4096 * 4096 * 2 for r in job.ranks)
