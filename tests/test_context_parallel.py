@@ -216,6 +216,7 @@ def _blocks_step(seq: int) -> dict:
     with Count(), hooks:
         pipe.step(ids, labels)
     cp = pipe.model_parts[0].context_parallel
+    held = cp.held_bytes()  # before the documents' step, whose boolean mask is cached
     masks = []  # packed documents keep a mask: the tensors saved with its [S/cp, S] dims, kept alive to tell apart
     positions = torch.cat([torch.arange(10), torch.arange(seq - 10)]).expand(4, -1)  # two documents a row
     hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: masks.append(t) or t, lambda t: t)
@@ -223,7 +224,7 @@ def _blocks_step(seq: int) -> dict:
         pipe.step(ids, labels, positions)
     masks = [t for t in masks if _has_pair(tuple(t.shape), seq // 2, seq)]
     return {"flash": flash, "masked": any(fwd_masks), "saved": saved, "shapes": shapes, "cp_rank": cp.rank,
-            "held": cp.held_bytes(), "layers": sum(len(p.block_modules()) for p in pipe.model_parts),
+            "held": held, "layers": sum(len(p.block_modules()) for p in pipe.model_parts),
             "doc_masks": (len(masks), len({storage_id(t.untyped_storage()) for t in masks}),
                           {(t.dtype, t.shape[0]) for t in masks})}  # fmt: skip
 

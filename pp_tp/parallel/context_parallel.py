@@ -5,8 +5,11 @@ this is pp_tp's own, the design Llama 3's long-context training used: every cp r
 sequence, i and 2cp-1-i of 2cp equal ones (head-tail, so causal attention costs every rank the same), for inputs,
 labels and position ids alike (`shard`, `local_positions`, run by `Pipeline.step`); stage boundaries carry the
 rank's `[B, S/cp, D]`. In every attention layer K and V are all-gathered over cp (`gather`: its backward sums the
-gradients of every rank's queries and keeps this rank's slice), and the family's own attention function runs on
-the local queries against all keys with the causal (or sliding-window) mask of those positions (`mask`).
+gradients of every rank's queries and keeps this rank's slice). Plain causal layers then run fused blocks with no
+mask (`causal_attention`, pp_tp/parallel/cp_attention_blocks.py); the others (sliding windows, packed documents,
+eager functions) run the family's own attention on the local queries against all keys under the boolean mask of
+those positions (`mask`, `attention_mask`), handed over as one float mask per step shared by the layers
+(`additive`).
 
 An attention module opts in by declaring a `context_parallel` attribute (the reference model's `Attention`), or a
 family registers an installer (`register_cp_attention`: Hugging Face models, pp_tp/models/hf/cp_attention.py).
