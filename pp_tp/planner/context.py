@@ -1,11 +1,13 @@
 """What context parallel (`parallel.cp`) adds to a plan beyond what the fake forward measures.
 
 The stage forward itself runs under cp on fake tensors (pp_tp.planner.activations): seq / cp local tokens, the K/V
-all-gather of every attention layer on the fake process group, so the gathered keys and values attention saves and
-the masks of the head-tail positions are measured like any activation. Two things cannot be measured there:
+all-gather of every attention layer on the fake process group, so the gathered keys and values attention saves are
+measured like any activation (causal layers run fused blocks and save no mask; a masked layer's shared float mask
+is measured once per microbatch). Two things cannot be measured there:
 
-- the masks each stage's `ContextParallel` keeps cached across steps (read off the stage after its fake forward,
-  `held_mask_bytes`): kept like the receive buffers, not freed by the backward;
+- the boolean masks each stage's `ContextParallel` keeps cached across steps for masked layers (sliding windows;
+  read off the stage after its fake forward, `held_mask_bytes`): kept like the receive buffers, not freed by the
+  backward; none for causal layers;
 - the bytes the all-gathers move: the fake group moves nothing, so they are analytic (`kv_gather_bytes`), checked
   against a run's collective ledger in tests/test_context_parallel.py.
 """
