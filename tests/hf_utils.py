@@ -17,6 +17,7 @@ from typing import Any
 
 import parity_utils as pu
 import torch
+from parity_utils import seeded
 from torch import nn
 
 import pp_tp
@@ -48,25 +49,7 @@ TINY_HF = dict(
 )
 
 
-# --- one seeded-weights helper ------------------------------------------------------------------------------------
-
-
-def seeded(
-    shapes: dict[str, torch.Size],
-    seed: int | torch.Generator = 0,
-    scale: float = 0.1,
-    bias: float | None = None,
-    norm: float = 1.0,
-) -> dict[str, torch.Tensor]:
-    """Seeded random values by name, drawn in order: N(0, scale) (N(0, bias) for names ending in "bias" when given),
-    plus `norm` for norm weights (near 1, so every path is exercised). Same seed and shapes: the same values on every
-    rank. `seed` may be a generator to draw on from."""
-    gen = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
-    out = {}
-    for k, shape in shapes.items():
-        std = bias if bias is not None and k.endswith("bias") else scale
-        out[k] = torch.randn(shape, generator=gen) * std + (norm if "norm" in k and k.endswith("weight") else 0.0)
-    return out
+# --- seeded weights (parity_utils.seeded) ------------------------------------------------------------------------
 
 
 def seeded_state(model: nn.Module, seed: int = 0, scale: float = 0.1) -> dict[str, torch.Tensor]:

@@ -172,8 +172,7 @@ def _toy(device: str) -> ToyMoE:
 def _toy_state() -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     model = _toy("cpu")
-    state = {k: torch.randn(p.shape, generator=gen) * 0.05 + k.endswith("norm.weight") for k, p in
-             model.named_parameters()}  # fmt: skip
+    state = pu.seeded({k: p.shape for k, p in model.named_parameters()}, gen, 0.05)
     state.update({k: torch.randn(b.shape, generator=gen) * 0.05 for k, b in pu.persistent_buffers(model).items()})
     return state
 
