@@ -109,7 +109,7 @@ def test_non_gated_experts_record_and_a_storage_no_split_keeps():
 
 def test_torchtitan_record():
     pytest.importorskip("torchtitan")
-    from test_torchtitan import EXPERTS, deepseek_v3_config
+    from titan_utils import EXPERTS, deepseek_v3_config
 
     with torch.device("meta"):
         model = deepseek_v3_config().build()
