@@ -49,15 +49,27 @@ def reference_state(args: ModelArgs = TINY, hf: bool = False, seed: int = 0) -> 
     buffers (the reference MoE's router biases) random too, so one left unfilled or unused shows."""
     gen = torch.Generator().manual_seed(seed)
     model = make_model(args, hf)
-    state = {
-        k: (
-            torch.randn(v.shape, generator=gen) * (0.1 if k.endswith("bias") else 0.05)
-            + (1.0 if k.endswith("norm.weight") else 0.0)
-        )
-        for k, v in model.named_parameters()  # a tied weight once, under its canonical name
-    }
+    state = seeded({k: v.shape for k, v in model.named_parameters()}, gen, 0.05, bias=0.1)  # a tied weight once
     state.update({k: torch.randn(b.shape, generator=gen) * 0.05 for k, b in persistent_buffers(model).items()})
     return state
+
+
+def seeded(
+    shapes: dict[str, torch.Size],
+    seed: int | torch.Generator = 0,
+    scale: float = 0.1,
+    bias: float | None = None,
+    norm: float = 1.0,
+) -> dict[str, torch.Tensor]:
+    """Seeded random values by name, drawn in order: N(0, scale) (N(0, bias) for names ending in "bias" when given),
+    plus `norm` for norm weights (near 1, so every path is exercised). Same seed and shapes: the same values on every
+    rank. `seed` may be a generator to draw on from."""
+    gen = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
+    out = {}
+    for k, shape in shapes.items():
+        std = bias if bias is not None and k.endswith("bias") else scale
+        out[k] = torch.randn(shape, generator=gen) * std + (norm if "norm" in k and k.endswith("weight") else 0.0)
+    return out
 
 
 def batch(args: ModelArgs, n: int, seq: int, seed: int = 1, pad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import transformers as T
-from test_hf_families import _state, assert_exact, make, run_all
+from hf_utils import assert_exact, seeded_state
+from test_hf_families import make, run_all
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 import pp_tp
@@ -52,7 +53,7 @@ def test_buffer_and_mla_families_match_their_own_forward(world):
 def _glm(device: str = "cpu") -> torch.nn.Module:
     model = make("glm4_moe", device)
     if device != "meta":
-        model.load_state_dict(_state(model), strict=False)
+        model.load_state_dict(seeded_state(model), strict=False)
     return model
 
 
@@ -88,7 +89,7 @@ def _sources_case(folder: str) -> dict:
     # HF safetensors in (checkpoint=) and out (save_pretrained, read back by transformers). A dense family with
     # buffers: transformers stores MoE experts per expert on disk, which checkpoint= refuses in one line.
     apertus = make("apertus")
-    apertus.load_state_dict(_state(apertus), strict=False)
+    apertus.load_state_dict(seeded_state(apertus), strict=False)
     hf_in, hf_out = os.path.join(folder, "hf_in"), os.path.join(folder, "hf_out")
     if torch.distributed.get_rank() == 0:
         apertus.save_pretrained(hf_in)

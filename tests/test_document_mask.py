@@ -64,11 +64,7 @@ def _per_document_loss(model: torch.nn.Module, ids, labels, positions) -> torch.
 
 
 def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    return {
-        k: torch.randn(v.shape, generator=gen) * 0.1 + (1.0 if "norm" in k else 0.0)
-        for k, v in model.named_parameters()
-    }
+    return pu.seeded({k: v.shape for k, v in model.named_parameters()})
 
 
 PP2_TP2 = dict(pp=2, tp=2, schedule="1F1B", microbatches=2, embedding="vocab_parallel")

@@ -51,8 +51,7 @@ def _seed_oss(dropout: float, device: str = "cpu", attn: str = "eager") -> torch
 
 
 def _state() -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    return {k: torch.randn(v.shape, generator=gen) * 0.1 for k, v in _seed_oss(0.0, "meta").named_parameters()}
+    return pu.seeded({k: v.shape for k, v in _seed_oss(0.0, "meta").named_parameters()}, norm=0.0)
 
 
 def _pipe(dropout: float, **kw) -> pp_tp.Pipeline:
@@ -131,8 +130,7 @@ def _phimoe(device: str = "cpu", noise: float = 0.5) -> torch.nn.Module:
 def _noise_case() -> dict:
     """This rank's router choices (routing weights, experts, router logits) in one step of PhiMoE with its sparsemixer
     noise on, every dp replica fed the same tokens."""
-    gen = torch.Generator().manual_seed(0)
-    state = {k: torch.randn(v.shape, generator=gen) * 0.2 for k, v in _phimoe("meta").named_parameters()}
+    state = pu.seeded({k: v.shape for k, v in _phimoe("meta").named_parameters()}, scale=0.2, norm=0.0)
     pcfg = pu.pcfg_of(**PCFG)
     pipe = pp_tp.build_pipeline(_phimoe("meta", 0.0), pu.mesh_for(pcfg), pcfg, state_dict=state, rng_seed=3)
     for part in pipe.model_parts:  # the noise on after the build: this test is about the streams it draws from

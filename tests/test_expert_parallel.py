@@ -15,7 +15,8 @@ import parity_utils as pu
 import pytest
 import torch
 import torch.distributed as dist
-from test_hf_families import SEQ, VOCAB, assert_exact, make, run_all
+from hf_utils import SEQ, VOCAB, assert_exact
+from test_hf_families import make, run_all
 
 import pp_tp
 from pp_tp.config import ParallelConfig

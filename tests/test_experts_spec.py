@@ -109,7 +109,7 @@ def test_non_gated_experts_record_and_a_storage_no_split_keeps():
 
 def test_torchtitan_record():
     pytest.importorskip("torchtitan")
-    from test_torchtitan import EXPERTS, deepseek_v3_config
+    from titan_utils import EXPERTS, deepseek_v3_config
 
     with torch.device("meta"):
         model = deepseek_v3_config().build()
@@ -172,8 +172,7 @@ def _toy(device: str) -> ToyMoE:
 def _toy_state() -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     model = _toy("cpu")
-    state = {k: torch.randn(p.shape, generator=gen) * 0.05 + k.endswith("norm.weight") for k, p in
-             model.named_parameters()}  # fmt: skip
+    state = pu.seeded({k: p.shape for k, p in model.named_parameters()}, gen, 0.05)
     state.update({k: torch.randn(b.shape, generator=gen) * 0.05 for k, b in pu.persistent_buffers(model).items()})
     return state
 

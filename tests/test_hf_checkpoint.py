@@ -138,9 +138,8 @@ def memory_case(tmp: str) -> dict:
         from safetensors.torch import save_file
 
         model = hu.llama(config, "meta")
-        gen = torch.Generator().manual_seed(0)
-        save_file({k: torch.randn(p.shape, generator=gen) * 0.02 for k, p in model.named_parameters()},
-                  os.path.join(tmp, "model.safetensors"))  # fmt: skip
+        shapes = {k: p.shape for k, p in model.named_parameters()}
+        save_file(pu.seeded(shapes, scale=0.02, norm=0.0), os.path.join(tmp, "model.safetensors"))
     dist.barrier()
     size = os.path.getsize(os.path.join(tmp, "model.safetensors"))
     pcfg = pu.pcfg_of(pp=4, microbatches=4)

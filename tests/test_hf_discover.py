@@ -12,18 +12,17 @@ the model's own run, in lockstep (pp_tp/parity/lockstep.py, the float64 verdict)
 
 from __future__ import annotations
 
-import parity_utils as pu
+import functools
+
 import pytest
 import torch
 import transformers as T
-from test_hf_families import _state
+from hf_utils import VOCAB, Family, assert_exact, run_families
 
 import pp_tp
 from pp_tp.errors import ConfigError
 from pp_tp.layout import layout_for
-from pp_tp.models.reference.model import ModelArgs
 
-VOCAB, SEQ = 64, 16
 IDS = dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 BASE = dict(
     hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -67,9 +66,17 @@ CONFIGS = {
 }
 
 
+def _config(name: str, kw: dict, layers: int):
+    """CONFIGS[name] with `kw`; each sets its own depth (`layers` is left to it)."""
+    return CONFIGS[name](**kw)
+
+
+def family(name: str, **kw) -> Family:
+    return Family(functools.partial(_config, name, kw), attn=None)
+
+
 def make(name: str, device: str = "cpu", **kw) -> torch.nn.Module:
-    with torch.device(device):
-        return T.AutoModelForCausalLM.from_config(CONFIGS[name](**kw))
+    return family(name, **kw).make(device)
 
 
 def one_line(name: str, match: str, **kw) -> None:
@@ -195,19 +202,6 @@ def test_router_noise_outside_sharded_regions_is_accepted():
     assert layout_for(make("phimoe", "meta", router_jitter_noise=0.0)).blocks == "model.layers"
 
 
-def case(name: str, kw: dict, config: dict, steps: int = 2) -> dict:
-    """Per rank: the float64 verdict of loss, gradients and parameters after each step against the model's own run."""
-    pcfg = pu.pcfg_of(**kw)
-    state = _state(make(name, **config))
-    ids, labels = pu.batch(ModelArgs(vocab_size=VOCAB), 8, SEQ, pad=True)
-    torch.manual_seed(0)
-    model = make(name, **config)
-    model.load_state_dict(state, strict=False)
-    pipe = pp_tp.build_pipeline(make(name, "meta", **config), pu.mesh_for(pcfg), pcfg, state_dict=state)
-    run, ref = pu.PipelineRun(pipe, pu.adamw()), pu.ReferenceRun(model, pu.adamw())
-    return pu.summary(list(pu.lockstep(run, ref, [(ids, labels)] * steps)))
-
-
 DP2 = dict(pp=2, dp_shard=2, schedule="1F1B", microbatches=2)
 CASES = [
     ("gpt2", DP2, {}),
@@ -223,14 +217,9 @@ CASES = [
 ]
 
 
-def run_cases() -> list[dict]:
-    return [case(*c) for c in CASES]
-
-
 def test_families_without_a_pp_plan_match_their_own_run(world):
-    for per_rank in world(4).run(run_cases):
-        for c, r in zip(CASES, per_rank):
-            pu.assert_passes(r, *c)
+    cases = [(family(name, **config), kw) for name, kw, config in CASES]
+    assert_exact(world(4).run(run_families, cases), [(name, kw) for name, kw, _ in CASES])
 
 
 def test_beam_full_layers_get_their_query_scale_from_the_position_ids():

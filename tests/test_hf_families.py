@@ -9,149 +9,80 @@ persistent buffers, relative error <= 1e-5.
 
 from __future__ import annotations
 
+import hf_utils as hu
 import parity_utils as pu
 import pytest
 import torch
 import transformers as T
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from hf_utils import BASE, SEQ, VOCAB, family
 
 import pp_tp
-from pp_tp.base.tensors import persistent_buffers
 from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
 from pp_tp.layout import layout_for
-from pp_tp.models.hf.self_check import small_config
-from pp_tp.models.reference.model import ModelArgs, Transformer
+from pp_tp.models.reference.model import ModelArgs
 from pp_tp.preflight import preflight
-
-VOCAB = 64
-BASE = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=VOCAB,
-    max_position_embeddings=64,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-SEQ = 16  # longer than every sliding window below
 
 
 def _sliding(**kw) -> dict:
     return {"sliding_window": 4, **kw}
 
 
-# name -> (config class, extra config keys, attention implementation)
+# name -> its tiny build (tests/hf_utils.py: a config class over BASE, or the model type's default config shrunk)
 FAMILIES = {
-    "llama_tied": (T.LlamaConfig, dict(tie_word_embeddings=True), "sdpa"),
-    "llama": (T.LlamaConfig, dict(tie_word_embeddings=False), "sdpa"),
-    "qwen2_tied_bias": (T.Qwen2Config, dict(tie_word_embeddings=True), "sdpa"),
-    "qwen3": (T.Qwen3Config, dict(head_dim=8, tie_word_embeddings=False), "sdpa"),
-    "mistral_sliding": (T.MistralConfig, _sliding(), "sdpa"),
-    "gemma_tied_scaled": (T.GemmaConfig, dict(head_dim=8), "sdpa"),
-    "gemma2_softcap": (T.Gemma2Config, _sliding(head_dim=8), "eager"),
-    "gemma3_alternating": (T.Gemma3TextConfig, _sliding(head_dim=8, sliding_window_pattern=2), "sdpa"),
-    "granite": (
-        T.GraniteConfig,
-        dict(embedding_multiplier=3.0, logits_scaling=4.0, residual_multiplier=0.5, attention_multiplier=0.3),
-        "sdpa",
+    "reference_tied": family("reference", tie_embeddings=True),  # pp_tp's own Transformer ties the same way
+    "llama_tied": family(T.LlamaConfig, tie_word_embeddings=True),
+    "llama": family(T.LlamaConfig, tie_word_embeddings=False),
+    "qwen2_tied_bias": family(T.Qwen2Config, tie_word_embeddings=True),
+    "qwen3": family(T.Qwen3Config, head_dim=8, tie_word_embeddings=False),
+    "mistral_sliding": family(T.MistralConfig, **_sliding()),
+    "gemma_tied_scaled": family(T.GemmaConfig, head_dim=8),
+    "gemma2_softcap": family(T.Gemma2Config, "eager", **_sliding(head_dim=8)),
+    "gemma3_alternating": family(T.Gemma3TextConfig, **_sliding(head_dim=8, sliding_window_pattern=2)),
+    "granite": family(
+        T.GraniteConfig, embedding_multiplier=3.0, logits_scaling=4.0, residual_multiplier=0.5, attention_multiplier=0.3
     ),
-    "phi3_fused": (T.Phi3Config, dict(), "sdpa"),  # GQA: q/k/v parts differ, so qkv_proj stays gathered
-    "phi3_mha": (T.Phi3Config, dict(num_key_value_heads=4), "sdpa"),  # qkv_proj split per part too
-    "olmo2_fullwidth_norm": (T.Olmo2Config, dict(), "sdpa"),
-    "mixtral_moe": (T.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2), "sdpa"),
+    "phi3_fused": family(T.Phi3Config),  # GQA: q/k/v parts differ, so qkv_proj stays gathered
+    "phi3_mha": family(T.Phi3Config, num_key_value_heads=4),  # qkv_proj split per part too
+    "olmo2_fullwidth_norm": family(T.Olmo2Config),
+    "mixtral_moe": family(T.MixtralConfig, num_local_experts=4, num_experts_per_tok=2),
     # families no issue named
-    "smollm3_nope_layers": (T.SmolLM3Config, dict(tie_word_embeddings=True), "sdpa"),
-    "cohere2_sliding": (T.Cohere2Config, _sliding(), "sdpa"),
-    "qwen2_window_layers": (T.Qwen2Config, _sliding(use_sliding_window=True, max_window_layers=2), "sdpa"),
-    "qwen3_moe": (T.Qwen3MoeConfig, dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16), "sdpa"),
-    "qwen3_moe_odd_width": (
-        T.Qwen3MoeConfig,
-        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=17),
-        "sdpa",
-    ),
+    "smollm3_nope_layers": family(T.SmolLM3Config, tie_word_embeddings=True),
+    "cohere2_sliding": family(T.Cohere2Config, **_sliding()),
+    "qwen2_window_layers": family(T.Qwen2Config, **_sliding(use_sliding_window=True, max_window_layers=2)),
+    "qwen3_moe": family(T.Qwen3MoeConfig, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+    "qwen3_moe_odd_width": family(T.Qwen3MoeConfig, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=17),
     # families with persistent buffers (router biases, activation constants) or MLA, from their own default
     # config shrunk by the self-check's rule (tests/test_buffers.py)
-    "glm4_moe": ("glm4_moe", {}, "sdpa"),
-    "deepseek_v3": ("deepseek_v3", {}, "sdpa"),
-    "deepseek_v2": ("deepseek_v2", dict(first_k_dense_replace=1), "sdpa"),
-    "minicpm3": ("minicpm3", {}, "sdpa"),
+    "glm4_moe": family("glm4_moe"),
+    "deepseek_v3": family("deepseek_v3"),
+    "deepseek_v2": family("deepseek_v2", first_k_dense_replace=1),
+    "minicpm3": family("minicpm3"),
     # its default's first layer dense, the rest MoE (so every rank holds router biases under ZBV, tests/test_buffers.py)
-    "exaone_moe": ("exaone_moe", {"mlp_layer_types": ["dense"] + ["sparse"] * 3}, "sdpa"),
-    "dots1": ("dots1", {}, "sdpa"),
-    "minimax_m2": ("minimax_m2", {}, "sdpa"),
-    "apertus": ("apertus", {}, "sdpa"),
-    "llama4_text": ("llama4_text", {}, "sdpa"),  # experts [E, D, 2F], called densely, declared in the TP plan only
-    "olmoe": ("olmoe", {}, "sdpa"),  # no declared pp plan: embed_tokens -> layers -> norm
-    "qwen2_moe": ("qwen2_moe", {}, "sdpa"),
-    "gpt_oss": ("gpt_oss", {}, "eager"),
-    "granite_swa_sinks": ("granite_swa", {}, "eager"),  # HF's `local_params` attention: sinks split by heads
-    "doge": ("doge", {}, "sdpa"),  # per-head `A` of its own in the attention; MoE rules naming nothing (MoE off)
+    "exaone_moe": family("exaone_moe", mlp_layer_types=["dense"] + ["sparse"] * 3),
+    "dots1": family("dots1"),
+    "minimax_m2": family("minimax_m2"),
+    "apertus": family("apertus"),
+    "llama4_text": family("llama4_text"),  # experts [E, D, 2F], called densely, declared in the TP plan only
+    "olmoe": family("olmoe"),  # no declared pp plan: embed_tokens -> layers -> norm
+    "qwen2_moe": family("qwen2_moe"),
+    "gpt_oss": family("gpt_oss", "eager"),
+    "granite_swa_sinks": family("granite_swa", "eager"),  # HF's `local_params` attention: sinks split by heads
+    "doge": family("doge"),  # per-head `A` of its own in the attention; MoE rules naming nothing (MoE off)
 }
 
 
 def make(name: str, device: str = "cpu", layers: int = 4) -> torch.nn.Module:
-    if name == "reference_tied":  # pp_tp's own Transformer ties the same way
-        args = ModelArgs(
-            vocab_size=VOCAB,
-            dim=32,
-            n_layers=4,
-            n_heads=4,
-            n_kv_heads=2,
-            ffn_dim=64,
-            max_seq_len=64,
-            tie_embeddings=True,
-        )
-        with torch.device(device):
-            return Transformer(args)
-    cls, extra, attn = FAMILIES[name]
-    if isinstance(cls, str):  # the family's own default config, shrunk by the self-check's rule
-        config = small_config(CONFIG_MAPPING[cls]())
-        types = list(dict.fromkeys(getattr(config, "layer_types", None) or []))
-        kw = {**extra, "num_hidden_layers": layers, "vocab_size": VOCAB, "max_position_embeddings": 64}
-        kw.update({"layer_types": (types * layers)[:layers]} if types else {})
-        for key, value in kw.items():
-            setattr(config, key, value)
-    else:
-        config = cls(**{**BASE, **extra, "num_hidden_layers": layers})
-    with torch.device(device):
-        return T.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    """A family of this module's table (other modules read it: test_buffers, test_expert_parallel, ...)."""
+    return FAMILIES[name].make(device, layers)
 
 
-def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Random weights with non-trivial norms and biases (not the init), and persistent buffers moved off their
-    init (router biases, activation constants), shared by both builds."""
-    gen = torch.Generator().manual_seed(0)
-    state = {
-        k: torch.randn(v.shape, generator=gen) * 0.1 + (1.0 if "norm" in k and k.endswith("weight") else 0.0)
-        for k, v in model.named_parameters()
-    }  # a tied weight once, under its canonical name
-    for k, b in persistent_buffers(model).items():
-        state[k] = b + 0.05 * torch.randn(b.shape, generator=gen, dtype=b.dtype) if b.is_floating_point() else b
-    return state
+def run_all(cases: list[tuple[str, dict]]) -> list[dict]:
+    """Every (family, parallel keys) case of this module's table on this rank (tests/hf_utils.py's parity case)."""
+    return hu.run_families([(FAMILIES[name], kw) for name, kw in cases])
 
 
-def family_case(name: str, kw: dict, batch: int = 8, steps: int = 2) -> dict:
-    """Per rank: worst relative errors of loss, gradients, updated parameters and buffers against the model's own
-    run, after every step."""
-    pcfg = pu.pcfg_of(**kw)
-    ids, labels = pu.batch(ModelArgs(vocab_size=VOCAB), batch, SEQ, pad=True)
-    torch.manual_seed(0)
-    model = make(name)
-    state = _state(model)
-    model.load_state_dict(state, strict=False)
-    assert all(torch.equal(b, state[k]) for k, b in persistent_buffers(model).items())
-    pipe = pp_tp.build_pipeline(make(name, "meta"), pu.mesh_for(pcfg), pcfg, state_dict=state)
-    run, ref = pu.PipelineRun(pipe, pu.adamw()), pu.ReferenceRun(model, pu.adamw())
-    return {
-        **pu.summary(list(pu.lockstep(run, ref, [(ids, labels)] * steps))),
-        "buffers": len(run.buffers()),
-        "stages": pipe.stage_indices,
-    }
-
+assert_exact = hu.assert_exact
 
 TP = dict(tp=2, embedding="vocab_parallel")
 # (family, layout) pairs: pp2 x tp2 across 1F1B, an interleaved and a V schedule; some with dp2 and padding.
@@ -185,17 +116,6 @@ CASES8 = [
     ("gemma2_softcap", dict(pp=2, dp_shard=2, schedule="ZBVZeroBubble", microbatches=4, **TP)),
     ("granite", dict(pp=2, dp_replicate=2, schedule="Interleaved1F1B", microbatches=2, **TP)),
 ]
-
-
-def run_all(cases: list[tuple[str, dict]]) -> list[dict]:
-    """Every (family, parallel keys) case on this rank (tests/test_expert_parallel.py runs its own through it)."""
-    return [family_case(name, kw) for name, kw in cases]
-
-
-def assert_exact(results: list[list[dict]], cases: list[tuple[str, dict]]) -> None:
-    for per_rank in results:
-        for (name, kw), r in zip(cases, per_rank):
-            pu.assert_passes(r, name, kw)
 
 
 @pytest.fixture(scope="module")
@@ -339,9 +259,8 @@ def test_family_without_a_pp_plan_gets_the_standard_layout():
 
 
 def test_router_aux_loss_is_refused():
-    cls, extra, _ = FAMILIES["mixtral_moe"]
-    with torch.device("meta"):
-        model = T.AutoModelForCausalLM.from_config(cls(**{**BASE, **extra, "output_router_logits": True}))
+    mixtral = family(T.MixtralConfig, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True)
+    model = mixtral.make("meta")
     with pytest.raises(ConfigError, match=r"output_router_logits = true .*use \[moe\] aux_loss_coef"):
         layout_for(model)
 

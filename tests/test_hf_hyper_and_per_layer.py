@@ -21,7 +21,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 import transformers as T
-from test_hf_families import BASE, FAMILIES, _preflight, family_case, make
+from hf_utils import BASE, assert_exact, family, family_case
+from test_hf_families import _preflight
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from pp_tp.errors import ConfigError
@@ -38,23 +39,19 @@ GEMMA4 = dict(  # over test_hf_families.BASE
     sliding_window=4,
     layer_types=["sliding_attention", "full_attention"] * 2,
 )
-FAMILIES.update(
-    {
-        "deepseek_v4_score_routed": ("deepseek_v4", dict(mlp_layer_types=["moe"] * 4), "eager"),
-        "deepseek_v4_hash_routed": ("deepseek_v4", dict(mlp_layer_types=["moe", "hash_moe"] * 2), "eager"),
-        "gemma4_per_layer_head_dim": (T.Gemma4TextConfig, GEMMA4, "sdpa"),
-        # Gemma 4's MoE blocks (its 26B-A4B form): a router and experts beside the dense MLP in every layer
-        "gemma4_moe": (
-            T.Gemma4TextConfig,
-            dict(GEMMA4, enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=32),
-            "sdpa",
-        ),
-        # a parameterless norm the forward runs before its layers too; logits softcapped
-        "nanochat_norm_before_layers": ("nanochat", {}, "sdpa"),
-        # a causal mask although its config sets a window
-        "moshi_causal_mask": ("moshi", dict(sliding_window=4), "sdpa"),
-    }
-)
+FAMILIES = {
+    "deepseek_v4_score_routed": family("deepseek_v4", "eager", mlp_layer_types=["moe"] * 4),
+    "deepseek_v4_hash_routed": family("deepseek_v4", "eager", mlp_layer_types=["moe", "hash_moe"] * 2),
+    "gemma4_per_layer_head_dim": family(T.Gemma4TextConfig, **GEMMA4),
+    # Gemma 4's MoE blocks (its 26B-A4B form): a router and experts beside the dense MLP in every layer
+    "gemma4_moe": family(
+        T.Gemma4TextConfig, **GEMMA4, enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=32
+    ),
+    # a parameterless norm the forward runs before its layers too; logits softcapped
+    "nanochat_norm_before_layers": family("nanochat"),
+    # a causal mask although its config sets a window
+    "moshi_causal_mask": family("moshi", sliding_window=4),
+}
 CASES = [
     ("deepseek_v4_score_routed", dict(pp=2, dp_shard=2, ep=2, schedule="1F1B", microbatches=2)),
     ("gemma4_per_layer_head_dim", dict(pp=2, tp=2, schedule="1F1B", microbatches=2)),
@@ -89,21 +86,17 @@ def _hash_table() -> Iterator[None]:
 
 def _run(cases: list[tuple[str, dict]]) -> list[dict]:
     with _hash_table():
-        return [family_case(name, kw) for name, kw in cases]
+        return [family_case(FAMILIES[name], kw) for name, kw in cases]
 
 
 def test_hyper_connections_and_per_layer_head_dims_are_exact(world):
-    import parity_utils as pu
-
-    for per_rank in world(4).run(_run, CASES):
-        for (name, kw), r in zip(CASES, per_rank):
-            pu.assert_passes(r, name, kw)
+    assert_exact(world(4).run(_run, CASES), CASES)
 
 
 def test_the_stream_crosses_the_boundary_whole_and_hc_head_runs_last():
-    layout = layout_for(make("deepseek_v4_score_routed", "meta"))
+    layout = layout_for(FAMILIES["deepseek_v4_score_routed"].make("meta"))
     assert layout.before_norm_modules == ("model.hc_head",) and "model.hc_head" not in layout.shared
-    assert layout.dims(make("deepseek_v4_score_routed", "meta")).streams == 4
+    assert layout.dims(FAMILIES["deepseek_v4_score_routed"].make("meta")).streams == 4
     assert not layout.block_ids  # no layer routes by the ids: later stages are not handed them
     h = torch.randn(2, 3, 32)
     assert torch.equal(layout.after_embed(h), h.unsqueeze(2).expand(-1, -1, 4, -1))
@@ -111,7 +104,7 @@ def test_the_stream_crosses_the_boundary_whole_and_hc_head_runs_last():
 
 def test_per_layer_dims_divide_every_layer():
     """Gemma 4's head_dim 8 / 16 per layer: the dims hold their common divisor, so TP checks hold per layer."""
-    dims = _dims(make("gemma4_per_layer_head_dim", "meta"))
+    dims = _dims(FAMILIES["gemma4_per_layer_head_dim"].make("meta"))
     assert (dims.n_heads, dims.n_kv_heads, dims.head_dim) == (4, 2, 8)
     assert dims.streams == 2  # the hidden state, then 4 layers x 8 per-layer input values in one stream of 32
     small = small_config(CONFIG_MAPPING["gemma4_text"]())
@@ -130,7 +123,7 @@ def test_tp_divisibility_is_checked_per_layer():
 def test_heads_need_divide_tp_only_where_the_plan_splits_attention():
     """DeepSeek-V4's one KV head passes at tp 2 (its plan leaves attention whole: no head split, no KV heads to
     divide); a Llama with one KV head, whose plan splits k_proj by rows, is refused (a split would cut the head)."""
-    _preflight(make("deepseek_v4_score_routed", "meta"), pp=2, tp=2)
+    _preflight(FAMILIES["deepseek_v4_score_routed"].make("meta"), pp=2, tp=2)
     with torch.device("meta"):
         llama = T.LlamaForCausalLM(T.LlamaConfig(**{**BASE, "num_key_value_heads": 1}))
     with pytest.raises(ConfigError, match=r"model.n_kv_heads = 1 is not divisible by parallel.tp = 2"):

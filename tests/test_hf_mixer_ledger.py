@@ -12,6 +12,7 @@ from collections import Counter
 
 import parity_utils as pu
 import test_hf_mixers as mx
+from hf_utils import SEQ, VOCAB
 from test_tensor_parallel import _CollectiveLog
 
 import pp_tp
@@ -26,9 +27,9 @@ def _added_block(name: str, layers: tuple[int, int]) -> dict:
     pcfg = pu.pcfg_of(pp=1, tp=2, schedule="1F1B", microbatches=MICROBATCHES)
     counts = []
     for n in layers:
-        pipe = pp_tp.build_pipeline(mx.hf.make(name, "meta", n), pu.mesh_for(pcfg), pcfg)
+        pipe = pp_tp.build_pipeline(mx.FAMILIES[name].make("meta", n), pu.mesh_for(pcfg), pcfg)
         with _CollectiveLog() as log:
-            pipe.step(*pu.batch(ModelArgs(vocab_size=mx.hf.VOCAB), ROWS, mx.hf.SEQ))
+            pipe.step(*pu.batch(ModelArgs(vocab_size=VOCAB), ROWS, SEQ))
         counts.append(Counter(log.calls))
     counts[1].subtract(counts[0])
     added = pipe.model_parts[0].get_submodule(f"model.layers.{layers[0]}")
@@ -45,7 +46,7 @@ def _linear_attention_block() -> dict:
 
 
 def test_a_linear_attention_block_costs_two_all_reduces_each_way_at_tp2(world):
-    hidden = (ROWS // MICROBATCHES, mx.hf.SEQ, 64)
+    hidden = (ROWS // MICROBATCHES, SEQ, 64)
     for r in world(2).run(_linear_attention_block):
         assert [n for n, _ in r["whole"]] == [
             "linear_attn.conv1d.weight",

@@ -10,32 +10,15 @@ gradient, parameters after two AdamW steps, buffers), through that file's `famil
 
 from __future__ import annotations
 
-import functools
-
 import pytest
-import test_hf_families as hf
 import torch
 import transformers as T
+from hf_utils import assert_exact, family, run_families
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from pp_tp.errors import ConfigError
 from pp_tp.layout import layout_for
 from pp_tp.models.hf.self_check import small_config
-
-
-def _small(model_type: str, num_hidden_layers: int, **_: object):
-    """The family's default config shrunk by the self-check's rule, `num_hidden_layers` layers cycling its per-layer
-    lists (layer types, MLP types)."""
-    config = small_config(CONFIG_MAPPING[model_type]())
-    n = config.num_hidden_layers
-    lists = {k: v for k, v in config.to_dict().items() if isinstance(v, list) and len(v) == n}
-    config.num_hidden_layers, config.vocab_size, config.max_position_embeddings = num_hidden_layers, hf.VOCAB, 64
-    for key, values in lists.items():
-        setattr(config, key, (values * num_hidden_layers)[:num_hidden_layers])
-    if hasattr(config, "attn_layer_indices"):  # Bamba's default stack has no attention layer: one makes it hybrid
-        config.attn_layer_indices = [1]
-    return config
-
 
 MIXERS = (
     "qwen3_next",
@@ -48,8 +31,10 @@ MIXERS = (
     "axk2",
     "glm_moe_dsa",
 )
-MIXERS += ("bamba",)
-hf.FAMILIES.update({name: (functools.partial(_small, name), {}, "sdpa") for name in MIXERS})
+# Each one's default config shrunk by the self-check's rule, 4 layers cycling its per-layer lists (layer types, MLP
+# types); Bamba's default stack has no attention layer: one makes it hybrid.
+FAMILIES = {name: family(name, per_layer="lists") for name in MIXERS}
+FAMILIES["bamba"] = family("bamba", per_layer="lists", attn_layer_indices=[1])
 
 TP = dict(pp=2, tp=2, schedule="1F1B", microbatches=2)
 EP = dict(pp=2, dp_shard=2, ep=2, schedule="1F1B", microbatches=2)
@@ -72,13 +57,8 @@ CASES = [
 ]
 
 
-def run_mixers(cases: list[tuple[str, dict]]) -> list[dict]:
-    """hf.run_all from this module, so each rank imports it and knows the families above."""
-    return hf.run_all(cases)
-
-
 def test_mixer_families_match_their_own_forward(world):
-    hf.assert_exact(world(4).run(run_mixers, CASES), CASES)
+    assert_exact(world(4).run(run_families, [(FAMILIES[name], kw) for name, kw in CASES]), CASES)
 
 
 def test_a_handed_on_value_no_layer_reads_is_not_carried():
@@ -116,13 +96,13 @@ def test_the_report_names_what_runs_whole_on_every_tp_rank():
     from pp_tp.parallel.whole_on_tp import whole_in_blocks
 
     def whole(name: str) -> dict:
-        model = hf.make(name, "meta")
+        model = FAMILIES[name].make("meta")
         layout = layout_for(model)
         return whole_in_blocks(model.get_submodule(layout.blocks).children(), layout)
 
     qwen = whole("qwen3_next")
     assert not any(k.startswith(("linear_attn", "self_attn", "mlp.experts")) for k in qwen), qwen
-    jamba = hf.make("jamba", "meta")
+    jamba = FAMILIES["jamba"].make("meta")
     mamba = sum(p.numel() for b in jamba.model.layers if hasattr(b, "mamba") for p in b.mamba.parameters())
     assert whole("jamba")["mamba"] == (("JambaMambaMixer",), mamba)
     dsa = whole("deepseek_v32")

@@ -17,7 +17,8 @@ import parity_utils as pu
 import pytest
 import torch
 import torch.distributed as dist
-from test_hf_families import SEQ, VOCAB, _state, make
+from hf_utils import SEQ, VOCAB, seeded_state
+from test_hf_families import make
 
 import pp_tp
 from pp_tp.base.tensors import full_tensor, persistent_buffers
@@ -40,7 +41,7 @@ BLOCK = (16, 16)
 def _saved(tmp: str, name: str) -> str:
     path = os.path.join(tmp, name)
     if dist.get_rank() == 0 and not os.path.isdir(path):
-        mu.save_family(make(name), path, _state(make(name)))
+        mu.save_family(make(name), path, seeded_state(make(name)))
     dist.barrier()
     return path
 
@@ -245,7 +246,7 @@ def test_published_moe_checkpoints_load_train_save_and_dequantize_per_rank(world
 @pytest.fixture(scope="module")
 def mixtral_dir(tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("mixtral"))
-    return mu.save_family(make("mixtral_moe"), path, _state(make("mixtral_moe")), max_shard_size="10GB")
+    return mu.save_family(make("mixtral_moe"), path, seeded_state(make("mixtral_moe")), max_shard_size="10GB")
 
 
 def _edited(src: str, dst, change) -> str:
@@ -317,7 +318,9 @@ def test_a_conversion_pp_tp_cannot_read_per_rank_is_refused_by_name(mixtral_dir,
 
 
 def test_mxfp4_blocks_without_their_scales_are_one_line(tmp_path):
-    plain = mu.save_family(make("gpt_oss"), str(tmp_path / "plain"), _state(make("gpt_oss")), max_shard_size="10GB")
+    plain = mu.save_family(
+        make("gpt_oss"), str(tmp_path / "plain"), seeded_state(make("gpt_oss")), max_shard_size="10GB"
+    )
     mu.to_mxfp4(plain, str(tmp_path / "mxfp4"))
     key = "model.layers.2.mlp.experts.down_proj"
 

@@ -12,7 +12,8 @@ import parity_utils as pu
 import pytest
 import torch
 import torch.nn.functional as F
-from test_hf_families import SEQ, VOCAB, _state, make
+from hf_utils import SEQ, VOCAB, seeded_state
+from test_hf_families import make
 from test_model_moe import MOE, MOE_SIGMOID
 
 import pp_tp
@@ -75,7 +76,7 @@ def balancing_case(name: str, kw: dict, coef: float, rate: float, steps: int = 2
     pcfg = pu.pcfg_of(**kw)
     mesh = pu.mesh_for(pcfg)
     hf = name not in ("moe", "moe_sigmoid")
-    state = _state(_model(name)) if hf else pu.reference_state(MOE if name == "moe" else MOE_SIGMOID)
+    state = seeded_state(_model(name)) if hf else pu.reference_state(MOE if name == "moe" else MOE_SIGMOID)
     args = ModelArgs(vocab_size=VOCAB) if hf else MOE
     ids, labels = pu.batch(args, 8, SEQ, pad=True)
     torch.manual_seed(0)

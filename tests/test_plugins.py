@@ -42,15 +42,20 @@ print(json.dumps({"layout": layout_for(model).name, "schedules": schedule_names(
 
 
 @pytest.fixture(scope="module")
-def installed_plugin(tmp_path_factory):
-    src = tmp_path_factory.mktemp("plugin") / "pkg"
+def installed_plugin(tmp_path_factory) -> dict[str, str]:
+    """The plugin installed into a folder of this test's own (pip --target), and the environment that puts it on the
+    path of the processes a test starts: site-packages stays untouched, so tests running beside these
+    (pytest -n) never see the plugin's entry points."""
+    root = tmp_path_factory.mktemp("plugin")
+    src, target = root / "pkg", root / "site"
     shutil.copytree(PLUGIN_PKG, src)  # the build leaves build/ and *.egg-info beside the sources
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
     subprocess.run(
-        pip + ["install", "--no-deps", "--no-build-isolation", str(src)], check=True, timeout=300, capture_output=True
-    )
-    yield
-    subprocess.run(pip + ["uninstall", "-y", "pp_tp_testplugin"], check=True, timeout=300, capture_output=True)
+        pip + ["install", "--no-deps", "--no-build-isolation", "--target", str(target), str(src)],
+        check=True, timeout=300, capture_output=True,
+    )  # fmt: skip
+    path = os.pathsep.join(p for p in (str(target), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path}
 
 
 def test_layout_and_schedule_come_from_an_installed_package(installed_plugin):
@@ -61,7 +66,7 @@ def test_layout_and_schedule_come_from_an_installed_package(installed_plugin):
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "PORT": str(_free_port())},
+        env={**installed_plugin, "PORT": str(_free_port())},
         cwd="/",
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -108,7 +113,7 @@ def test_a_plugin_model_kind_and_data_source_train_from_toml_at_pp2(installed_pl
     job = tmp_path / "job.toml"
     job.write_text(PLUGIN_JOB.format(metrics=metrics))
     cmd = [sys.executable, "-m", "pp_tp.cli", "train", "--config", str(job), "--nproc", "4"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(tmp_path), env=installed_plugin)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]
@@ -116,6 +121,6 @@ def test_a_plugin_model_kind_and_data_source_train_from_toml_at_pp2(installed_pl
     assert losses[2] < losses[1] < losses[0] and losses[2] < 0.9 * losses[0], losses  # measured 3.96, 3.56, 3.35
     bad = subprocess.run(
         [sys.executable, "-m", "pp_tp.cli", "check", "--config", str(job), "data.source=countin"],
-        capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
+        capture_output=True, text=True, timeout=300, cwd=str(tmp_path), env=installed_plugin,
     )  # fmt: skip
     assert bad.returncode == 2 and "data.source = 'countin'" in bad.stderr and "counting" in bad.stderr, bad.stderr

@@ -15,7 +15,7 @@ pytest.importorskip("torchtitan")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from test_torchtitan import CONFIGS, DIM, EXPERTS, LAYERS, _batch, _build, _union_of_weights, deepseek_v3_config  # noqa: E402
+from titan_utils import CONFIGS, DIM, EXPERTS, LAYERS, _batch, _build, _union_of_weights, deepseek_v3_config  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from pp_tp.errors import ConfigError  # noqa: E402

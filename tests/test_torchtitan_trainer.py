@@ -42,7 +42,7 @@ pytest.importorskip("torchtitan")
 
 import torch  # noqa: E402
 from harness import PG_TIMEOUT_S  # noqa: E402
-from test_torchtitan import _batch, _build, llama3_config, qwen3_moe_config  # noqa: E402
+from titan_utils import _batch, _build, llama3_config, qwen3_moe_config  # noqa: E402
 
 from pp_tp.integrations.torchtitan import model_spec  # noqa: E402
 from pp_tp.integrations.torchtitan_compat import install_set_timeout  # noqa: E402

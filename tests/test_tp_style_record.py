@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import parity_utils as pu
 import pytest
 import torch
 from test_dropout_rng import RATE, SEQ, _seed_oss, _state, _step
@@ -181,7 +182,7 @@ def _conv_dropout_case() -> dict:
             block.mlp[1] = nn.Sequential(nn.GELU(), nn.Dropout(RATE))
             block.mlp.append(nn.Dropout(RATE))
     gen = torch.Generator().manual_seed(0)
-    state = {k: torch.randn(v.shape, generator=gen) * 0.1 for k, v in model.named_parameters()}
+    state = pu.seeded({k: v.shape for k, v in model.named_parameters()}, gen, norm=0.0)
     pipe = pp_tp.build_pipeline(model, pp_tp.build_mesh(pcfg), pcfg, state_dict=state, loss_fn="mse", rng_seed=3)
     x, y = torch.randn(4, 4, 16, 16, generator=gen), torch.randn(4, 4, 16, 16, generator=gen)
     with _recording_dropout(lambda h: "hidden" if h.shape[1] == args.ffn_dim // 2 else "out") as records:
