@@ -103,7 +103,7 @@ def _add_parity(commands: argparse._SubParsersAction) -> None:
         "parity",
         "compare the job's pipelined build with its non-PP build",
         parity.add_parity_args,
-        lambda args: run_ranks(args, "pp_tp.cli.parity", parity.main, data=False),
+        lambda args: run_ranks(parity.float64_overrides(args), "pp_tp.cli.parity", parity.main, data=False),
     )
 
 
