@@ -33,7 +33,7 @@ def _shapes(
     """The boundary tensors for a microbatch of inputs: a language model's from its dims, any other model's inferred
     on `skeleton` (the meta copy of the model)."""
     d = checked.dims
-    act_dtype = torch.bfloat16 if pcfg.mixed_precision == "bf16" else torch.float32
+    act_dtype = torch.bfloat16 if pcfg.mixed_precision == "bf16" else getattr(torch, pcfg.dtype)
     vocab_local = d.vocab_size // pcfg.tp if pcfg.loss_parallel else d.vocab_size
 
     def shapes(microbatch: tuple[int, ...], dtype: torch.dtype) -> BoundaryShapes | InferredShapes:
@@ -56,8 +56,11 @@ def build_pipeline(
     `checkpoint=`, `source_dir=`, `loss_fn=`, `loss_normalizer=`, `rng_seed=`, `moe=`), keywords replacing the
     fields of `options` when both are given. With `loss_fn`, `Pipeline.step(inputs, targets)` takes any tensors,
     boundaries inferred per input shape. Every check and the local build run before any collective; then one
-    exchange makes every rank refuse together (the same line) or go on together."""
+    exchange makes every rank refuse together (the same line) or go on together. With `parallel.dtype = "float64"`
+    `model` itself is turned float64 first."""
     opts = BuildOptions.of(options, keywords)
+    if pcfg.dtype == "float64":
+        model.to(torch.float64)  # in place, before anything reads it: every floating tensor (integer buffers stay)
     pp_rank, device = mesh.get_local_rank("pp"), rank_device(mesh)
     tied = tied_names(model)  # before the stages are materialized, which unties the shared modules
     skeleton = meta_skeleton(model) if opts.loss_fn is not None else None  # boundary shapes are inferred on it

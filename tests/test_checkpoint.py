@@ -83,3 +83,47 @@ def test_per_part_split_weights_checkpoint_and_load_at_another_layout(tmp_path, 
     assert [r["step"] for r in resumed] == [4, 5, 6]
     for got, want in zip(resumed, full[3:]):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+
+
+def _resume_case(d: dict) -> tuple[str, list[dict]]:
+    """Every rank: the resume's refusal line, or the fallback line and the metrics rows of the run."""
+    from pp_tp.config import config_from_dict
+    from pp_tp.errors import ConfigError
+    from pp_tp.train.trainer import Trainer
+
+    try:
+        trainer = Trainer(config_from_dict(d))
+    except ConfigError as e:
+        return f"error: {e}", []
+    return trainer.fallback_line, [{k: r[k] for k in ("step", "loss", "grad_norm", "lr")} for r in trainer.run()]
+
+
+@pytest.mark.parametrize("how", ["truncated", "deleted"])
+def test_a_damaged_shard_is_one_line_and_on_damaged_previous_resumes_from_the_intact_one(saved, tmp_path, world, how):
+    """A save records each file's size and CRC-32; the resume checks the newest checkpoint first. Damaged: one line
+    on every rank naming the file and step-3; with the key, the run goes on from step-3, and its losses are the
+    uninterrupted run's (which test_resume_is_exact shows a resume from step-3 repeats bit for bit)."""
+    d, folder, rows = saved
+    copy = str(tmp_path / "run")
+    shutil.copytree(folder, copy)
+    shard = os.path.join(copy, "step-6", "__1_0.distcp")
+    assert sorted(n for n in os.listdir(os.path.dirname(shard)) if n.startswith(".checksums-")) == [
+        f".checksums-{r}.json" for r in range(4)
+    ]
+    if how == "truncated":
+        with open(shard, "r+b") as f:
+            f.truncate(os.path.getsize(shard) // 2)
+    else:
+        os.remove(shard)
+    ckpt = {**d["checkpoint"], "folder": copy}
+    refused = world(4).run(_resume_case, job(checkpoint=ckpt))
+    line = refused[0][0]
+    assert all(r == (line, []) for r in refused) and "\n" not in line
+    what = "bytes, " if how == "truncated" else "is missing"
+    assert line.startswith(f"error: checkpoint {copy}/step-6 is damaged: {shard} ") and what in line, line
+    assert f'the newest intact checkpoint is {copy}/step-3; set checkpoint.on_damaged = "previous"' in line, line
+    resumed = world(4).run(_resume_case, job(checkpoint={**ckpt, "on_damaged": "previous"}))
+    note, after = resumed[0]
+    assert all(r == (note, after) for r in resumed)
+    assert note.endswith(f'{copy}/step-3: resuming from it (checkpoint.on_damaged = "previous")'), note
+    assert [r["step"] for r in after] == [4, 5, 6] and after == rows[0][3:]

@@ -41,7 +41,8 @@ def test_tensorboard_gets_the_logged_rows_scalars_beside_the_jsonl(tmp_path, cap
     log = MetricsLogger(str(tmp_path / "m.jsonl"), 1, True, 1e9, 2, None, 2, str(tmp_path / "tb"))
     log.log(1, False, 2.5, 0.75, 1e-3, 1000, 0.5, {"data_s": 0.125})
     log.log(2, True, 2.0, 0.5, 5e-4, 1000, 0.25, {"data_s": 0.0625, "val_loss": 2.25})
-    assert "| data 125.0 ms" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| data 125.0 ms" in out and "| process max RSS " in out  # the log says what its peak measures
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     values = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}

@@ -45,6 +45,8 @@ def test_auto_resolves_to_the_planners_pick_and_trains(tmp_path):
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert line in result.stdout  # the same pick, printed by rank 0 at startup
+    assert "planner's estimate of each rank's peak" in result.stdout and "stages [0], estimated peak " in result.stdout
+    assert "| process max RSS " in result.stdout  # the step log's peak, measured, says what it is
     rows = [json.loads(x) for x in metrics.read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]
     assert len(losses) == 2 and all(0 < x < 10 for x in losses)

@@ -33,6 +33,11 @@ def copy_full_(param: torch.Tensor, full: torch.Tensor) -> None:
         param.copy_(full)
 
 
+def at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    """`t` in fp32 where it is narrower (bf16 compute of norms, rotations, losses), float64 left float64."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole value of a parameter or gradient, gathering if it is a DTensor."""
     return t.full_tensor() if isinstance(t, DTensor) else t

@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 
 from pp_tp.config import JobConfig, load_config, validate
+from pp_tp.hf_checkpoint import has_weights, open_checked
 from pp_tp.models.factory import build_model, resolve_model_config
 from pp_tp.parallel.mesh import device_type
 from pp_tp.preflight import Preflight, preflight
@@ -28,6 +29,8 @@ def check_job(cfg: JobConfig, world_size: int | None = None, data: bool = True) 
         cfg.moe,
     )  # fmt: skip
     cfg = dataclasses.replace(cfg, parallel=checked.parallel)
+    if cfg.model.hf_path and has_weights(cfg.model.hf_path):
+        open_checked(cfg.model.hf_path, model)  # every header and size the job will load, as build_pipeline does
     if data:
         make_source(cfg)  # the data source opens and fits the model
     check_tensorboard(cfg.training.tensorboard_dir)

@@ -16,7 +16,7 @@ from pp_tp.cli.job import add_job_args, check_job, load_job
 from pp_tp.config import format_config, load_config
 from pp_tp.errors import ConfigError
 from pp_tp.planner import resolve_auto
-from pp_tp.planner.cli import add_plan_args, run_plan
+from pp_tp.planner.cli import add_plan_args, run_plan, world_note
 
 EXIT_BAD_INPUT = 2
 
@@ -103,7 +103,7 @@ def _add_parity(commands: argparse._SubParsersAction) -> None:
         "parity",
         "compare the job's pipelined build with its non-PP build",
         parity.add_parity_args,
-        lambda args: run_ranks(args, "pp_tp.cli.parity", parity.main, data=False),
+        lambda args: run_ranks(parity.float64_overrides(args), "pp_tp.cli.parity", parity.main, data=False),
     )
 
 
@@ -129,8 +129,14 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    cfg, _ = check_job(load_job(args), args.world_size)
-    return run_plan(args, cfg, cfg.parallel.world_size)
+    """Without --world-size the plan runs at the degrees' product, and says so (a refusal names it too)."""
+    cfg = load_job(args)
+    note = world_note(args, cfg)
+    try:
+        cfg, _ = check_job(cfg, args.world_size)
+        return run_plan(args, cfg, cfg.parallel.world_size, note)
+    except ConfigError as e:
+        raise ConfigError(f"{e} ({note})" if note else str(e)) from None
 
 
 def _add_export(commands: argparse._SubParsersAction) -> None:

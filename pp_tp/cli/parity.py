@@ -7,6 +7,10 @@ gradient and updated value, the persistent buffers and the clipped norm of the p
 the float64 truth next to the plain fp32 build's (pp_tp/parity/lockstep.py). Dropout is off in all builds (their
 masks differ by design) and the output says so. Rank 0 prints one row per step with both distances; the exit code
 says whether all rows passed.
+
+`--float64` (parallel.dtype = "float64"): the pipelined build itself in float64 against the plain model in float64,
+per tensor within pp_tp.parity.float64.BOUND, no fp32 run involved (pp_tp/parity/float64.py); rank 0 prints each
+step's worst relative error per kind and the worst tensor of each kind.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from pp_tp.models.hf.randomness import noise_keys, switch_off_noise
 from pp_tp.parallel.mesh import init_distributed
 from pp_tp.parallel.rng import switch_off_dropout
 from pp_tp.parity import FACTOR, FLOOR_ULPS, PipelineRun, ReferenceRun, StepDiff, lockstep
+from pp_tp.parity.float64 import BOUND, Worst, lockstep_float64
 from pp_tp.runtime.loss import SumLoss
 from pp_tp.train.sources import make_source
 
@@ -68,6 +73,12 @@ def run_parity(cfg: JobConfig, steps: int) -> int:
     layout = layout_for(model)
     init_weights(model, cfg.model.seed, layout.dims(model).n_layers, layout.init_std)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    float64 = cfg.parallel.dtype == "float64"
+    if float64:  # transformers' grouped_mm experts refuse float64: their eager loop in both builds
+        for m in (model, meta):
+            if hasattr(m, "set_experts_implementation"):
+                m.set_experts_implementation("eager")
+        model.to(torch.float64)  # build_pipeline turns `meta` float64 itself
     t = cfg.training
     pipe = pp_tp.build_pipeline(meta, mesh, cfg.parallel, state_dict=state, loss_fn=t.loss or None)
     # draws beyond dropout (router jitter): built with them on, so pp_tp's checks see them; compared without them
@@ -82,6 +93,8 @@ def run_parity(cfg: JobConfig, steps: int) -> int:
     clip = t.max_norm if t.max_norm > 0 else None
     loss = SumLoss(t.loss) if t.loss else None
     run, ref = PipelineRun(pipe, adamw, clip), ReferenceRun(model.to(pipe.device), adamw, clip, loss=loss)
+    if float64:
+        return _float64(run, ref, parity_batches(cfg, steps))
     rows = [_row(step, d, pipe.device) for step, d in enumerate(lockstep(run, ref, parity_batches(cfg, steps)), 1)]
     if dist.get_rank() == 0:
         print(format_table(rows))
@@ -90,6 +103,35 @@ def run_parity(cfg: JobConfig, steps: int) -> int:
         if noise_off:
             print(f"random draws beyond dropout off in both builds for the comparison: {', '.join(noise_off)}")
     return 0 if all(r[-1] == "ok" for r in rows) else 1
+
+
+def _float64(run: PipelineRun, ref: ReferenceRun, batches: Iterator) -> int:
+    """The float64 comparison: one row per step (losses, worst relative error per kind over the ranks), then each
+    kind's worst tensor; 0 when every tensor is within BOUND."""
+    lines = [f"{'step':>4}  {'loss (pipelined)':>20}  {'loss (non-PP)':>20}" + "".join(f"  {k:>9}" for k in KINDS)]
+    worst: dict[str, tuple[float, str]] = {k: (0.0, "") for k in KINDS}
+    for step, (got, want, kinds) in enumerate(lockstep_float64(run, ref, batches), 1):
+        errs = [_worst_over_ranks(kinds[k]) for k in KINDS]
+        for k, (err, name) in zip(KINDS, errs):
+            if not err <= worst[k][0] or not worst[k][1]:
+                worst[k] = (err, f"{name or '(none held)'} (step {step})")
+        lines.append(f"{step:>4}  {got:>20.15f}  {want:>20.15f}" + "".join(f"  {e:>9.2e}" for e, _ in errs))
+    passed = all(err <= BOUND for err, _ in worst.values())
+    if dist.get_rank() == 0:
+        lines += [f"worst {k}: {err:.2e} {name}" for k, (err, name) in worst.items()]
+        lines.append(
+            f"float64 pipeline vs float64 plain model: per tensor max relative error <= {BOUND:g}: "
+            + ("ok" if passed else "FAIL")
+        )
+        print("\n".join(lines))
+    return 0 if passed else 1
+
+
+def _worst_over_ranks(w: Worst) -> tuple[float, str]:
+    """The largest error of one kind over the ranks (NaN counts as largest) and its tensor's name."""
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (w.err, w.name))
+    return max(every, key=lambda e: float("inf") if e[0] != e[0] else e[0])
 
 
 def _row(step: int, d: StepDiff, device: torch.device) -> tuple:
@@ -125,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     add_parity_args(parser)
     args = parser.parse_args(argv)
     try:
-        return run_parity(load_job(args), args.steps)
+        return run_parity(load_job(float64_overrides(args)), args.steps)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -134,6 +176,18 @@ def main(argv: list[str] | None = None) -> int:
 def add_parity_args(parser: argparse.ArgumentParser) -> None:
     add_job_args(parser)
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps to compare")
+    parser.add_argument(
+        "--float64",
+        action="store_true",
+        help='run the pipelined build in float64 (parallel.dtype = "float64") against the plain model in float64',
+    )
+
+
+def float64_overrides(args: argparse.Namespace) -> argparse.Namespace:
+    """--float64 as the override it stands for, so the config checks see it."""
+    if args.float64:
+        args.overrides = [*args.overrides, "parallel.dtype=float64"]
+    return args
 
 
 if __name__ == "__main__":

@@ -21,11 +21,16 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 def load_config(path: str, overrides: list[str] | None = None, world_size: int | None = None) -> JobConfig:
     """Reads a TOML job file, applies `section.key=value` overrides, and returns the validated config."""
+    return config_from_dict(job_dict(path, overrides), world_size)
+
+
+def job_dict(path: str, overrides: list[str] | None = None) -> dict[str, Any]:
+    """The TOML job file with the overrides applied, as parsed tables (nothing validated or resolved yet)."""
     raw = _read_toml(path)
     for text in overrides or ():
         section, key, value = _parse_override(text)
         raw[section] = {**_table(raw, section), key: value}
-    return config_from_dict(raw, world_size)
+    return raw
 
 
 def config_from_dict(d: dict[str, Any], world_size: int | None = None) -> JobConfig:

@@ -89,6 +89,9 @@ class ParallelConfig:
     grad_accum_dtype: str = "fp32"  # the unsharded gradient accumulation between reductions (bf16 training)
     memory_budget_gib: float | None = None  # per rank; what "auto" fits the policies to
     mixed_precision: str = "bf16"
+    # "float64": parameters, activations, stage boundaries, collectives and optimizer state all in float64 (with
+    # mixed_precision = "fp32"): the pipelined build compared with the plain float64 model (`pp-tp parity --float64`).
+    dtype: str = "float32"
     activation_checkpoint: str = "none"
     compile: bool = False
     compile_backend: str = "inductor"  # torch.compile backend; "aot_eager" compiles fast (CPU tests)
@@ -180,13 +183,16 @@ def async_save_allowed() -> bool:
 class CheckpointConfig:
     """`[checkpoint]`: DCP checkpoints in `folder` every `interval` steps and at the end, the last `keep` kept.
     `async` (the field `async_`, `async` being a Python keyword; TOML and overrides say `async`): a save copies the
-    state and writes it in the background (pp_tp.train.checkpoint); default on where `async_save_allowed`."""
+    state and writes it in the background (pp_tp.train.checkpoint); default on where `async_save_allowed`.
+    `on_damaged`: what a resume does when the newest checkpoint fails its recorded sizes and checksums
+    (pp_tp.train.checkpoint_verify): "error" stops with one line, "previous" resumes from the newest intact one."""
 
     enable: bool = False
     folder: str = "checkpoints"
     interval: int = 0
     keep: int = 2
     async_: bool = field(default_factory=async_save_allowed)
+    on_damaged: str = "error"
 
 
 @dataclass
@@ -225,10 +231,12 @@ CHOICES: dict[str, dict[str, tuple[str, ...]]] = {
         "fsdp_grad_reduce": ("step", "microbatch", "auto"),
         "grad_accum_dtype": ("fp32", "bf16"),
         "mixed_precision": ("bf16", "fp32"),
+        "dtype": ("float32", "float64"),
         "activation_checkpoint": ("none", "full", "selective"),
         "embedding": ("auto", "replicate", "vocab_parallel"),
     },
     "data": {"dtype": ("uint16", "uint32")},
+    "checkpoint": {"on_damaged": ("error", "previous")},
 }
 
 # (key, lower bound, whether the bound itself is allowed). dp_shard (-1 allowed) has its own check.

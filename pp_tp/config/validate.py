@@ -65,6 +65,7 @@ def resolve_parallel(pcfg: ParallelConfig, world_size: int | None = None) -> Par
     check_ep(p.ep, p.dp_shard, p.cp)
     check_policy_keys(p)
     _check_grad_accum(p)
+    _check_float64(p)
     check_schedule(p.pp, p.stages_per_rank, p.microbatches, p.schedule, schedule_reshard(p))
     _check_split_lists(p)
     return p
@@ -125,6 +126,18 @@ def check_ep(ep: int, dp_shard: int, cp: int = 1) -> None:
             f"parallel.ep = {ep} does not divide parallel.dp_shard = {dp_shard} (the EP group is carved out of "
             f"dp_shard); set parallel.ep to a divisor of {dp_shard} or raise parallel.dp_shard"
         )
+
+
+def _check_float64(p: ParallelConfig) -> None:
+    """float64 runs every tensor in float64: nothing may cast it down."""
+    if p.dtype != "float64":
+        return
+    for key, value, fix in (("mixed_precision", p.mixed_precision, '"fp32"'), ("float8", p.float8, "false")):
+        if value not in ("fp32", False):
+            raise ConfigError(
+                f'parallel.dtype = "float64" runs every tensor in float64, and parallel.{key} = {value!r} casts them '
+                f"down; set parallel.{key} = {fix}"
+            )
 
 
 def _check_grad_accum(p: ParallelConfig) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +62,25 @@ def _files(path: str) -> list[str]:
     raise ConfigError(f"checkpoint {path!r} has no {SINGLE} or {INDEX}; give a Hugging Face model directory")
 
 
+def _check_file(file: str) -> None:
+    """Refuses, in one line naming `file`, a safetensors file shorter or longer than its header says, or whose
+    header does not parse: safetensors' own error on such a file is a traceback on every rank."""
+    size = os.path.getsize(file)
+    damaged = f"checkpoint {file} is damaged ({{}}); copy it again"
+    with open(file, "rb") as f:
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+        if n is None or n > size - 8:
+            raise ConfigError(damaged.format(f"{size} bytes, shorter than its header"))
+        try:
+            header = json.loads(f.read(n))
+            data = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+            raise ConfigError(damaged.format(f"its header does not parse: {type(e).__name__}")) from None
+    if size != 8 + n + data:
+        raise ConfigError(damaged.format(f"{size:,} bytes; its header describes {8 + n + data:,}: truncated?"))
+
+
 class HFSource:
     """The tensors of an HF directory: `entries` by on-disk key (from the file headers), `views` by model key once
     checked against a model (`open_checked`); `read` returns one block of a model tensor, cast explicitly."""
@@ -76,6 +96,7 @@ class HFSource:
             file = os.path.join(path, name)
             if not os.path.isfile(file):
                 raise ConfigError(f"checkpoint {path!r}: the index names {name}, which is missing; copy it there")
+            _check_file(file)
             with safe_open(file, framework="pt") as f:
                 for key in f.keys():
                     sl = f.get_slice(key)

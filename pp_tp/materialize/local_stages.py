@@ -91,7 +91,7 @@ def fill_stage(stage: StageModule, model: nn.Module, seed: int, state_dict: Mapp
             full = seeded_value(seed, fqn, p.shape, layout.init_std(fqn, n_layers))
         else:
             full = _value(state_dict, fqn, p.shape)
-        copy_full_(p, full.to(torch.float32))
+        copy_full_(p, full.to(p.dtype))  # fp32 (FSDP keeps fp32 shards under bf16), or float64
     if state_dict is not None:
         for fqn, b in persistent_buffers(stage).items():
             b.copy_(_value(state_dict, fqn, b.shape).to(b.dtype))

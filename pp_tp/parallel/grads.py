@@ -64,7 +64,9 @@ def _local_grads(model_parts: Iterable[nn.Module], mesh: DeviceMesh) -> tuple[li
 
 def _total_norm(counted: list[torch.Tensor], mesh: DeviceMesh, norm_type: float) -> torch.Tensor:
     device = counted[0].device if counted else torch.device(mesh.device_type)
-    norm = torch.nn.utils.get_total_norm(counted, norm_type).float() if counted else torch.zeros((), device=device)
+    # float64 on every rank (one may count nothing): exact enough for fp32 runs, and float64 runs stay float64
+    norm = torch.nn.utils.get_total_norm(counted, norm_type) if counted else torch.zeros((), device=device)
+    norm = norm.double()
     inf = math.isinf(norm_type)
     total = norm if inf else norm.pow(norm_type)
     # A sum (or max) over the whole mesh: one all-reduce when the mesh is the world, else one per dimension.

@@ -199,16 +199,16 @@ class PipelineRun:
 
 def worst_err(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], keys: dict[str, str]) -> float:
     """The largest relative error of `got`'s tensors against `want`'s, looked up under `keys` (canonical names)."""
-    return max((_tensor_err(t, want[keys[k]]) for k, t in got.items()), default=0.0)
+    return max((tensor_err(t, want[keys[k]]) for k, t in got.items()), default=0.0)
 
 
 def buffer_err(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
     """Worst relative error of a stage's persistent buffers against the reference model's (inf for a missing or
     extra one, or a mismatched integer buffer)."""
-    return max((_tensor_err(b, want.get(k)) for k, b in got.items()), default=0.0)
+    return max((tensor_err(b, want.get(k)) for k, b in got.items()), default=0.0)
 
 
-def _tensor_err(got: torch.Tensor, want: torch.Tensor | None) -> float:
+def tensor_err(got: torch.Tensor, want: torch.Tensor | None) -> float:
     """Relative error; inf where `want` is missing or shaped otherwise, or an integer tensor differs at all. A
     parameter no gradient reaches (None: DeepSeek-V3.2's indexer, read only through its top-k) matches only None."""
     if got is None or want is None:
@@ -248,11 +248,11 @@ def judge(
     worst = Judged()
     for k, t in got.items():
         name = keys.get(k, k)
-        e_pipe = _tensor_err(t, truth.get(name))
+        e_pipe = tensor_err(t, truth.get(name))
         if plain is None:  # no plain build to measure the conditioning: the floor alone
             e_plain = 0.0
         else:
-            e_plain = _tensor_err(plain[name], truth[name]) if name in plain and name in truth else float("inf")
+            e_plain = tensor_err(plain[name], truth[name]) if name in plain and name in truth else float("inf")
         score = e_pipe / (FACTOR * e_plain + floor) if max(e_pipe, e_plain) < float("inf") else float("inf")
         if score > worst.score or not worst.name:
             worst = Judged(score, name, e_pipe, e_plain)

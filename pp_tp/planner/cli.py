@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 from pp_tp.config import JobConfig
+from pp_tp.config.loading import job_dict
 from pp_tp.planner.auto import GIB
 from pp_tp.planner.dry_run import plan_job
 from pp_tp.planner.report import format_plan
@@ -34,11 +36,28 @@ def _device(args: argparse.Namespace) -> Device:
     )
 
 
-def run_plan(args: argparse.Namespace, cfg: JobConfig, world: int) -> int:
-    """Prints the dry run (or its JSON) and, with --search, the best fitting layouts."""
+def world_note(args: argparse.Namespace, cfg: JobConfig) -> str:
+    """Where the planned world size came from, when neither --world-size nor $WORLD_SIZE gave it: the degrees'
+    product, fixed by the config or (dp_shard = -1 leaving it open) with dp_shard = 1; "" otherwise."""
+    if args.world_size is not None or "WORLD_SIZE" in os.environ:
+        return ""
+    p = cfg.parallel
+    degrees = " x ".join(f"{k} {getattr(p, k)}" for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp"))
+    world = f"world size {p.world_size} = {degrees}"
+    if job_dict(args.config, args.overrides).get("parallel", {}).get("dp_shard", -1) == -1:
+        return f"planned at {world}, the fewest ranks the degrees allow (dp_shard = -1 taken as 1); pass --world-size N"
+    return f"planned at {world}, the product of the config's degrees (--world-size not given)"
+
+
+def run_plan(args: argparse.Namespace, cfg: JobConfig, world: int, note: str = "") -> int:
+    """Prints the dry run (or its JSON) and, with --search, the best fitting layouts; `note` (world_note) says
+    where the world size came from, first in the text and as "world" in the JSON."""
     job = plan_job(cfg, world)
-    out: dict = {"peak_gib": round(job.peak_bytes / GIB, 3)}
+    out: dict = {"peak_gib": round(job.peak_bytes / GIB, 3), "world_size": world}
+    if note:
+        out["world"] = note
     if not args.json:
+        print(f"{note}\n" if note else "", end="")
         print(format_plan(job))
     if args.search:
         dev = _device(args)

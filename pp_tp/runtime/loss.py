@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 
-from pp_tp.base.tensors import full_tensor
+from pp_tp.base.tensors import at_least_fp32, full_tensor
 from pp_tp.errors import ConfigError
 
 IGNORE_INDEX = -100
@@ -52,7 +52,8 @@ class TokenSumLoss:
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.tp_mesh is not None:
             logits = DTensor.from_local(logits, self.tp_mesh, [Shard(-1)], run_check=False)
-        ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+        logits = at_least_fp32(logits.flatten(0, 1))  # fp32 under bf16, float64 kept
+        ce = F.cross_entropy(logits, labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
         return full_tensor(ce) * self.scale
 
 

@@ -196,7 +196,8 @@ class Pipeline:
             total[1] = aux
         for g in [self._pp_group] + self._dp_groups:
             dist.all_reduce(total, group=g)
-        return total.float() if aux is not None else total[0].float()
+        total = total.to(torch.float64 if self.pcfg.dtype == "float64" else torch.float32)
+        return total if aux is not None else total[0]
 
     def _check_positions(self, where: str, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> None:
         """Packed documents' position ids: a layout that takes them, the shape of the input ids."""

@@ -41,7 +41,9 @@ from torch.distributed.checkpoint.state_dict import (
 
 from pp_tp.base._torch import per_part_replicated
 from pp_tp.config import CheckpointConfig
+from pp_tp.errors import ConfigError
 from pp_tp.parallel.rng import StageStream
+from pp_tp.train.checkpoint_verify import damage, record_checksums
 from pp_tp.train.prefetch import Prefetcher
 
 _FINAL = re.compile(r"^step-(\d+)$")
@@ -89,6 +91,27 @@ def latest_checkpoint(folder: str) -> str | None:
     """The newest complete checkpoint in `folder`, or None."""
     steps = complete_steps(folder)
     return os.path.join(folder, f"step-{steps[-1]}") if steps else None
+
+
+def resume_checkpoint(ccfg: CheckpointConfig) -> tuple[str | None, str]:
+    """(the checkpoint to resume from, the line saying it fell back): the newest complete one once its files pass
+    their recorded sizes and checksums; when they do not, one ConfigError line naming the file and the newest intact
+    checkpoint, or with `checkpoint.on_damaged = "previous"` that intact one. Every rank gets the same answer."""
+    steps = complete_steps(ccfg.folder) if ccfg.enable else []
+    if not steps:
+        return None, ""
+    newest = os.path.join(ccfg.folder, f"step-{steps[-1]}")
+    problem = damage(newest)
+    if problem is None:
+        return newest, ""
+    older = (os.path.join(ccfg.folder, f"step-{s}") for s in reversed(steps[:-1]))
+    intact = next((path for path in older if damage(path) is None), None)
+    line = f"checkpoint {newest} is damaged: {problem}; the newest intact checkpoint is {intact or 'none'}"
+    if intact is None:
+        raise ConfigError(f"{line}; delete {newest} to start over, or restore the file")
+    if ccfg.on_damaged == "error":
+        raise ConfigError(f'{line}; set checkpoint.on_damaged = "previous" to resume from it, or restore the file')
+    return intact, f'{line}: resuming from it (checkpoint.on_damaged = "previous")'
 
 
 _PER_GROUP = ("base_lrs", "_last_lr")  # the LR scheduler's per-param-group lists
@@ -210,11 +233,11 @@ class Checkpointer:
         state = _stored(self._state(step))
         if self.group is None:
             dcp.save(state, checkpoint_id=tmp)  # returns on every rank once the metadata is written
-            self._publish(tmp, final)
+            self._publish(tmp, final, None)
             dist.barrier()
         else:
             written = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group)
-            self.pending = _then(written, lambda: self._publish(tmp, final))
+            self.pending = _then(written, lambda: self._publish(tmp, final, self.group))
         return final
 
     def wait(self) -> None:
@@ -238,8 +261,11 @@ class Checkpointer:
             if last:
                 self.wait()
 
-    def _publish(self, tmp: str, final: str) -> None:
-        """Rank 0 marks a written checkpoint complete (the rename) and prunes; on the writer's thread when async."""
+    def _publish(self, tmp: str, final: str, group: dist.ProcessGroup | None) -> None:
+        """Every rank records its files' sizes and checksums, then rank 0 marks the written checkpoint complete (the
+        rename) and prunes; on the writer's thread (and the save group) when async."""
+        record_checksums(tmp, dist.get_rank(), dist.get_world_size())
+        dist.barrier(group=group)
         if dist.get_rank() == 0:
             shutil.rmtree(final, ignore_errors=True)
             os.rename(tmp, final)

@@ -61,6 +61,11 @@ def peak_flops(device_name: str) -> float | None:
     return None
 
 
+def peak_memory_label() -> str:
+    """What `peak_memory_gib` measures, as the step log names it."""
+    return "CUDA max allocated" if torch.cuda.is_available() else "process max RSS"
+
+
 def peak_memory_gib() -> float:
     """CUDA's max allocated bytes, or on CPU this process's peak resident set (ru_maxrss is KiB on Linux)."""
     if torch.cuda.is_available():
@@ -146,7 +151,7 @@ class MetricsLogger:
             mfu += f" | {step}/{self.total_steps} eta {_hms(row['eta_s'])}" if "eta_s" in row else ""
             print(
                 f"step {step:>6} | loss {loss:.4f} | grad_norm {grad_norm:.3f} | lr {lr:.2e} | "
-                f"tok/s {tps:,.0f} | {step_time_s:.3f} s | peak {row['peak_mem_gib']:.2f} GiB{mfu}",
+                f"tok/s {tps:,.0f} | {step_time_s:.3f} s | {peak_memory_label()} {row['peak_mem_gib']:.2f} GiB{mfu}",
                 flush=True,
             )
             if self.path:

@@ -70,12 +70,15 @@ def layout(cfg: JobConfig, mesh: DeviceMesh, pipe: Pipeline, plan) -> tuple[str,
             + ", ".join(f"{name} ({'/'.join(cls)}) {count:,} params" for name, (cls, count) in whole.items())
         )
     if plan is not None:
-        lines.append("planner estimate per rank (dp/tp coordinate 0, AdamW):")
+        lines.append(
+            "planner's estimate of each rank's peak (model state, AdamW, activations and buffers; dp/tp coordinate 0;"
+            " the step log's figure is measured):"
+        )
         row["memory_gib"] = {}
         for r in plan.ranks:
             gib = r.total_bytes / 2**30
             row["memory_gib"][r.pp_rank] = gib
-            lines.append(f"  pp rank {r.pp_rank}: stages {r.stages}, peak {gib:.3f} GiB")
+            lines.append(f"  pp rank {r.pp_rank}: stages {r.stages}, estimated peak {gib:.3f} GiB")
     if pipe.checkpoint_casts:
         row["casts"] = dict(pipe.checkpoint_casts)
         lines.append("checkpoint dtype conversions: " + ", ".join(f"{k} x{n}" for k, n in row["casts"].items()))

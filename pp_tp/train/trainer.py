@@ -30,7 +30,7 @@ from pp_tp.parallel.grads import clip_grad_norm_
 from pp_tp.parallel.mesh import dp_rank, dp_size, init_distributed
 from pp_tp.planner import resolve_auto
 from pp_tp.train import run_report
-from pp_tp.train.checkpoint import Checkpointer, latest_checkpoint
+from pp_tp.train.checkpoint import Checkpointer, resume_checkpoint
 from pp_tp.train.liveness import PeerWatch
 from pp_tp.train.metrics import MetricsLogger, flops_per_token, moe_imbalance, peak_flops
 from pp_tp.train.nonfinite import NonFiniteError, NonFiniteGuard, describe, is_finite
@@ -130,7 +130,7 @@ class Trainer:
         layout = layout_for(model)
         flops = flops_per_token(model, layout, t.seq_len)  # on the meta model, before build_pipeline prunes it
         self.has_experts = any(experts_modules(b, layout) for b in model.get_submodule(layout.blocks).children())
-        resume = latest_checkpoint(self.cfg.checkpoint.folder) if self.cfg.checkpoint.enable else None
+        resume, self.fallback_line = resume_checkpoint(self.cfg.checkpoint)  # verified first
         hf_dir, self.weights_line = run_report.initial_weights(self.cfg, resume)  # a DCP checkpoint wins over HF
         self.pipe = pp_tp.build_pipeline(
             model, self.mesh, self.cfg.parallel, seed=self.cfg.model.seed, seq_len=t.seq_len, checkpoint=hf_dir,
@@ -157,7 +157,7 @@ class Trainer:
         `before_step(step)` runs at the start of every step (fault injection, profiling)."""
         text, layout_row = run_report.layout(self.cfg, self.mesh, self.pipe, self.plan)
         if dist.get_rank() == 0:
-            print("\n".join(x for x in (self.auto_line, self.weights_line, text) if x), flush=True)
+            print("\n".join(x for x in (self.auto_line, self.fallback_line, self.weights_line, text) if x), flush=True)
             self.metrics.record({**layout_row, "weights": self.weights_line})
         watch = PeerWatch()
         rows = []

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pp_tp.base.seeded_init import default_init_std, init_weights
+from pp_tp.base.tensors import at_least_fp32
 from pp_tp.config.schema import ModelShape
 from pp_tp.config.sections import check_moe
 from pp_tp.models.reference.moe import MoE, init_expert_bias
@@ -39,7 +40,7 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         cos, sin = (rope[None, : x.shape[1], None, :, i] for i in (0, 1))  # [1, s, 1, d/2]
     else:
         cos, sin = (rope[:, :, None, :, i] for i in (0, 1))  # [b, s, 1, d/2]
-    xf = x.float().unflatten(-1, (-1, 2))
+    xf = at_least_fp32(x).unflatten(-1, (-1, 2))
     x0, x1 = xf[..., 0], xf[..., 1]
     out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
     return out.flatten(-2).type_as(x)
@@ -62,9 +63,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        xf = at_least_fp32(x)
         out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * self.weight.float()).type_as(x)
+        return (out * at_least_fp32(self.weight)).type_as(x)
 
 
 class Attention(nn.Module):

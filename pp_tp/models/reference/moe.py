@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pp_tp.base._torch import FakeTensor
+from pp_tp.base.tensors import at_least_fp32
 from pp_tp.config.schema import ModelShape
 
 
@@ -33,7 +34,7 @@ class Router(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden [T, dim] -> (router_logits [T, E], top_k_weights [T, k], top_k_index [T, k]), in fp32."""
-        logits = F.linear(hidden.float(), self.weight.float())
+        logits = F.linear(at_least_fp32(hidden), at_least_fp32(self.weight))
         scores = logits.softmax(dim=-1) if self.scoring == "softmax" else logits.sigmoid()
         index = torch.topk(scores + self.expert_bias, self.top_k, dim=-1).indices
         weights = scores.gather(-1, index)

@@ -1,0 +1,67 @@
+"""The pipelined build in float64 against the plain model in float64: no tolerance tuned to the fp32 roundoff.
+
+Where the pipeline computes the same math as the model, only summed in another order (microbatches, TP and DP
+reductions), the two float64 runs differ by float64 roundoff, about 1e-15 relative, amplified by the conditioning of
+each tensor: a bound of 1e-10 leaves five orders of magnitude for that and still catches any real difference, which
+shows up at the fp32 level or above. Both runs start from the same weights and step on their own from there (in
+float64 their trajectories do not part as fp32 ones can, lockstep.py): loss, every full gradient, every parameter
+after each optimizer step and the persistent buffers are compared after each step, per tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from pp_tp.parity.lockstep import PipelineRun, ReferenceRun, tensor_err
+from pp_tp.parity.shared import owners, step_on
+
+BOUND = 1e-10  # per tensor, max relative error of the float64 pipeline against the float64 plain model
+KINDS = ("loss", "grads", "params", "buffers")
+
+
+@dataclass(frozen=True)
+class Worst:
+    """One kind's worst tensor on this rank: its name and relative error."""
+
+    name: str = ""
+    err: float = 0.0
+
+
+def _worst(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], keys: dict[str, str]) -> Worst:
+    worst = Worst()
+    for k, t in got.items():
+        name = keys.get(k, k)
+        err = tensor_err(t, want.get(name))
+        if err > worst.err or not worst.name or err != err:  # NaN is the worst
+            worst = Worst(name, err)
+    return worst
+
+
+def lockstep_float64(
+    run: PipelineRun, ref: ReferenceRun, batches: Iterable[tuple[torch.Tensor, ...]]
+) -> Iterator[tuple[float, float, dict[str, Worst]]]:
+    """Per step: (the pipeline's loss, the plain model's, the worst tensor per kind on this rank). `run`'s build and
+    `ref`'s model must both be float64; the reference steps on one rank and is mirrored (pp_tp/parity/shared.py)."""
+    dtypes = {p.dtype for part in run.pipe.model_parts for p in part.parameters()} | {
+        p.dtype for p in ref.model.parameters()
+    }
+    if dtypes != {torch.float64}:
+        raise ValueError(f"lockstep_float64 compares float64 builds; the parameters are {sorted(map(str, dtypes))}")
+    owner, _ = owners(run.pipe.mesh.size() == dist.get_world_size())
+    loaded = _worst(run.params(), ref.params(), run.keys)
+    for i, batch in enumerate(batches):
+        got = run.step(*batch)
+        step_on(((owner, ref),), batch)
+        want = ref.losses[-1]
+        params = _worst(run.params(), ref.params(), run.keys)
+        worst = {
+            "loss": Worst("loss", abs(got - want) / max(abs(want), 1e-300)),
+            "grads": _worst(run.grads(), ref.grads(), run.keys),
+            "params": params if i else max(params, loaded, key=lambda w: w.err),
+            "buffers": _worst(run.buffers(), ref.buffers(), {}),
+        }
+        yield got, want, worst
