@@ -9,6 +9,7 @@ tensor; a Qwen3-MoE at pp2 x ep2; a resume from the reference's checkpoint at an
 
 from __future__ import annotations
 
+import json
 import os
 
 import hf_utils as hu
@@ -47,54 +48,188 @@ def _history(trainer) -> list[tuple[float, float]]:
     return [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
 
 
-def reference(out: str, model_fn=_llama, **kw) -> tuple[list, dict]:
+def reference(out: str, model_fn=_llama, resume: str | None = None, **kw) -> tuple[list, dict]:
     """transformers.Trainer on one process: (loss, grad norm) per step and the trained parameters."""
     from transformers import Trainer
 
     model = model_fn()
     trainer = Trainer(model, _args(out, **kw), train_dataset=_data(model.config.vocab_size))
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     return _history(trainer), {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def pipeline_case(out: str, parallel: dict, model_fn=_llama, save: bool = False, **kw) -> list:
+def _qwen3_moe():
+    import test_hf_families as fam
+
+    torch.manual_seed(0)
+    return fam.make("qwen3_moe")
+
+
+def pipeline_case(out: str, parallel: dict, model_fn=_llama, resume: str | None = None, **kw) -> dict:
+    """Per rank: the logged (loss, grad norm) per step of a PipelineTrainer run, its model saved to `out`/model, and
+    with `resume` the steps after it of a second run resuming from that checkpoint."""
     from pp_tp.integrations.hf_trainer import PipelineTrainer
 
     pcfg = pu.pcfg_of(**parallel)
-    model = model_fn()
-    trainer = PipelineTrainer(model, _args(out, **kw), train_dataset=_data(model.config.vocab_size), parallel=pcfg,
-                              mesh=pu.mesh_for(pcfg))  # fmt: skip
-    trainer.train()
-    if save:
-        trainer.save_model(out)
-    return _history(trainer)
+
+    def run(output_dir: str, resume_from: str | None) -> PipelineTrainer:
+        model = model_fn()
+        trainer = PipelineTrainer(model, _args(output_dir, **kw), train_dataset=_data(model.config.vocab_size),
+                                  parallel=pcfg, mesh=pu.mesh_for(pcfg))  # fmt: skip
+        trainer.train(resume_from_checkpoint=resume_from)
+        return trainer
+
+    trainer = run(out, None)
+    trainer.save_model(os.path.join(out, "model"))
+    result = {"history": _history(trainer)}
+    if resume is not None:
+        result["resumed"] = _history(run(out + "_resumed", resume))
+    return result
 
 
 def _close(got: list, want: list, tol: float = 1e-5) -> None:
-    assert len(got) == len(want) == 4
+    assert len(got) == len(want) and got, (got, want)
     for (gl, gn), (wl, wn) in zip(got, want):
         assert abs(gl - wl) <= tol * abs(wl), (got, want)
         assert abs(gn - wn) <= tol * abs(wn), (got, want)
 
 
-@pytest.mark.parametrize("layout", ["pp2_tp2", "pp2_dp2"])
-def test_trainer_parity(world, tmp_path, layout):
-    dp = 2 if layout == "pp2_dp2" else 1
-    parallel = dict(pp=2, tp=1 if dp == 2 else 2, dp_shard=dp)
-    want, params = reference(str(tmp_path / "ref"), per_device_train_batch_size=4 * dp)
+def _check_saved(path: str, params: dict, load=None) -> None:
+    saved = (load or hu.from_pretrained)(path).state_dict()
+    assert saved.keys() == params.keys()
+    worst = max(rel_err(saved[k], v) for k, v in params.items())
+    assert worst <= 1e-4, worst
+
+
+def _optimizer_err(got: str, want: str) -> float:
+    """Worst relative error over the state tensors of two Trainer optimizer.pt files (same numbering)."""
+    a, b = (torch.load(os.path.join(p, "optimizer.pt"), weights_only=True) for p in (got, want))
+    assert a["state"].keys() == b["state"].keys() and len(a["param_groups"]) == len(b["param_groups"]) == 2
+    for ga, gb in zip(a["param_groups"], b["param_groups"]):
+        assert ga["params"] == gb["params"] and ga["weight_decay"] == gb["weight_decay"] and ga["lr"] == gb["lr"]
+    return max(rel_err(a["state"][i][k], v) for i, s in b["state"].items() for k, v in s.items() if v.dim())
+
+
+def test_trainer_pp2_tp2(world, tmp_path):
+    """pp2 x tp2 against Trainer; its step-2 checkpoint is a Trainer checkpoint: optimizer.pt equal to Trainer's, and
+    one-process Trainer resumes from it (another layout) with the reference's steps 3 and 4."""
+    saving = dict(save_strategy="steps", save_steps=2)
+    ref = str(tmp_path / "ref")
+    want, params = reference(ref, **saving)
     out = str(tmp_path / "pipe")
-    got = world(4).run(pipeline_case, out, parallel, save=True)
+    got = world(4).run(pipeline_case, out, dict(pp=2, tp=2), **saving)
     for g in got:
-        _close(g, want)
-    saved = hu.from_pretrained(out).state_dict()
-    assert max(rel_err(saved[k], v) for k, v in params.items()) <= 1e-4
+        _close(g["history"], want)
+    _check_saved(os.path.join(out, "model"), params)
+    assert _optimizer_err(os.path.join(out, "checkpoint-2"), os.path.join(ref, "checkpoint-2")) <= 1e-4
+    resumed, resumed_params = reference(str(tmp_path / "ref_resumed"), resume=os.path.join(out, "checkpoint-2"))
+    _close(resumed, want[2:])
+    assert max(rel_err(resumed_params[k], v) for k, v in params.items()) <= 1e-4
+
+
+def test_trainer_pp2_dp2_and_moe(world, tmp_path):
+    """pp2 x dp2 against Trainer reading dp x the rows per batch, resuming from that Trainer's step-2 checkpoint (one
+    process -> pp2 x dp2); a Qwen3-MoE at pp2 x ep2 (dp_shard 2) likewise."""
+    for name, model_fn, parallel in [("llama", _llama, dict(pp=2, dp_shard=2)),
+                                     ("moe", _qwen3_moe, dict(pp=2, dp_shard=2, ep=2))]:  # fmt: skip
+        ref = str(tmp_path / f"ref_{name}")
+        want, params = reference(ref, model_fn, per_device_train_batch_size=8, save_strategy="steps", save_steps=2)
+        out = str(tmp_path / f"pipe_{name}")
+        resume = os.path.join(ref, "checkpoint-2")
+        got = world(4).run(pipeline_case, out, parallel, model_fn, resume=resume)
+        for g in got:
+            _close(g["history"], want)
+            _close(g["resumed"], want[2:])
+        _check_saved(os.path.join(out, "model"), params, None if name == "llama" else _load_moe)
+
+
+def _load_moe(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 
 def test_refusals(tmp_path):
+    """What cannot run under a pipeline: one line naming it, before any process group or build."""
     from pp_tp.integrations.hf_trainer import PipelineTrainer
 
-    for kw, needle in [(dict(fp16=True), "fp16"), (dict(torch_compile=True), "torch_compile")]:
+    cases = [
+        (dict(fp16=True), {}, "fp16"),
+        (dict(torch_compile=True), {}, "torch_compile"),
+        (dict(fsdp=True), {}, "fsdp"),
+        (dict(optim="adafactor"), {}, "optim=adafactor"),
+        (dict(label_smoothing_factor=0.1), {}, "label_smoothing_factor"),
+        ({}, dict(compute_metrics=lambda p: {}), "compute_metrics"),
+        ({}, dict(optimizers=(torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=1.0), None)), "optimizers"),
+        (dict(per_device_train_batch_size=3, gradient_accumulation_steps=1), dict(parallel=dict(microbatches=2)),
+         "parallel.microbatches = 2"),
+    ]  # fmt: skip
+    model = _llama()
+    for args, kw, needle in cases:
         with pytest.raises(ConfigError, match=needle) as e:
-            PipelineTrainer(_llama(), _args(str(tmp_path), **kw), parallel=dict(pp=2))
+            PipelineTrainer(model, _args(str(tmp_path), **args), **{"parallel": dict(pp=2), **kw})
         assert "\n" not in str(e.value)
-    assert os.path.isdir(str(tmp_path))
+
+
+def _chat_file(path: str) -> str:
+    """A small prompt/completion chat dataset (JSON lines) of random words, ragged lengths."""
+    gen = torch.Generator().manual_seed(2)
+
+    def words(lo: int, hi: int) -> str:
+        n = int(torch.randint(lo, hi, (1,), generator=gen))
+        return " ".join(f"w{int(i)}" for i in torch.randint(0, 80, (n,), generator=gen))
+
+    with open(path, "w") as f:
+        for _ in range(ROWS):
+            prompt, completion = (
+                [{"role": "user", "content": words(2, 6)}],
+                [{"role": "assistant", "content": words(2, 9)}],
+            )
+            f.write(json.dumps({"prompt": prompt, "completion": completion}) + "\n")
+    return path
+
+
+def _sft_parts(path: str):
+    """The dataset and a word-level tokenizer with a chat template, built here (nothing downloaded)."""
+    from datasets import Dataset
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["user", "assistant", ":", "<eos>", "<pad>", "<unk>"] + [f"w{i}" for i in range(80)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} <eos> {% endfor %}"
+    with open(path) as f:
+        return Dataset.from_list([json.loads(line) for line in f]), tokenizer
+
+
+def _sft_args(out: str, **kw):
+    from trl import SFTConfig
+
+    return SFTConfig(output_dir=out, max_length=32, bf16=False, **{**ARGS, **kw})  # TRL defaults to bf16
+
+
+def sft_case(out: str, data: str, parallel: dict) -> list:
+    from pp_tp.integrations.hf_sft import PipelineSFTTrainer
+
+    pcfg = pu.pcfg_of(**parallel)
+    dataset, tokenizer = _sft_parts(data)
+    trainer = PipelineSFTTrainer(_llama(), _sft_args(out), train_dataset=dataset, processing_class=tokenizer,
+                                 parallel=pcfg, mesh=pu.mesh_for(pcfg))  # fmt: skip
+    trainer.train()
+    return _history(trainer)
+
+
+def test_trl_sft(world, tmp_path):
+    """TRL's SFTTrainer (completion-only labels, ragged right-padded rows) against PipelineSFTTrainer at pp2 x dp2."""
+    from trl import SFTTrainer
+
+    data = _chat_file(str(tmp_path / "chat.jsonl"))
+    dataset, tokenizer = _sft_parts(data)
+    ref = SFTTrainer(_llama(), _sft_args(str(tmp_path / "ref"), per_device_train_batch_size=8),
+                     train_dataset=dataset, processing_class=tokenizer)  # fmt: skip
+    ref.train()
+    want = _history(ref)
+    for got in world(4).run(sft_case, str(tmp_path / "pipe"), data, dict(pp=2, dp_shard=2)):
+        _close(got, want)

@@ -46,6 +46,9 @@ class StageParts(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> None:
         raise ConfigError("PipelineTrainer: the model runs through its pipeline (Pipeline.step), not model(...)")
 
+    def activation_checkpointing_enable(self, **kwargs: Any) -> None:
+        """Trainer's call for gradient checkpointing: the stages have parallel.activation_checkpoint already."""
+
     def full_names(self) -> dict[int, str]:
         """Each local parameter's id -> its full model name (a tied copy's: the canonical one)."""
         return {
@@ -57,7 +60,8 @@ class StageParts(nn.Module):
 
 def parallel_config(parallel: ParallelConfig | str | dict | None, args: TrainingArguments) -> ParallelConfig:
     """The [parallel] config: a ParallelConfig, a dict of its keys, or a TOML path; `microbatches` left unset (or at
-    its default, 1) becomes gradient_accumulation_steps, and the precision follows `bf16`."""
+    its default, 1) becomes gradient_accumulation_steps, the precision follows `bf16`, and gradient (activation)
+    checkpointing is parallel.activation_checkpoint = "full" unless that key says otherwise."""
     if isinstance(parallel, str):
         pcfg = load_config(parallel).parallel
     elif isinstance(parallel, dict):
@@ -69,6 +73,8 @@ def parallel_config(parallel: ParallelConfig | str | dict | None, args: Training
     if pcfg.microbatches == ParallelConfig.microbatches:
         pcfg.microbatches = args.gradient_accumulation_steps
     pcfg.mixed_precision = "bf16" if args.bf16 else "fp32"
+    if (args.gradient_checkpointing or args.activation_checkpointing) and pcfg.activation_checkpoint == "none":
+        pcfg.activation_checkpoint = "full"  # every block recomputed in backward, as HF's checkpointing does
     rows = args.per_device_train_batch_size * args.gradient_accumulation_steps
     if rows % pcfg.microbatches:
         raise ConfigError(
@@ -89,8 +95,6 @@ def refuse(args: TrainingArguments, kwargs: dict[str, Any], pcfg: ParallelConfig
         (args.fsdp, "fsdp", "pp_tp shards with parallel.dp_shard (FSDP2); drop fsdp"),
         (args.parallelism_config, "parallelism_config", "use parallel= (pp, tp, dp_shard, ep, cp)"),
         (args.fp16, "fp16", "pp_tp's precisions are bf16 and fp32; use bf16=True"),
-        (args.gradient_checkpointing or args.activation_checkpointing, "gradient_checkpointing",
-         "use parallel.activation_checkpoint"),
         (args.use_liger_kernel, "use_liger_kernel", "the pipeline runs the model's own layers; drop it"),
         (args.neftune_noise_alpha, "neftune_noise_alpha", "drop it"),
         (args.label_smoothing_factor, "label_smoothing_factor", "pp_tp's loss is plain token cross-entropy"),
@@ -129,7 +133,7 @@ class PipelineTrainerMixin:
         args = args if args is not None else TrainingArguments(output_dir="tmp_trainer")
         pcfg = parallel_config(parallel, args)
         refuse(args, kwargs, pcfg)
-        args._setup_devices  # under torchrun accelerate starts the process group here
+        _ = args._setup_devices  # under torchrun accelerate starts the process group here
         meta = any(p.is_meta for p in model.parameters())
         source = getattr(model, "name_or_path", "") if meta else None
         if meta and not os.path.isdir(source or ""):
@@ -277,7 +281,9 @@ class PipelineTrainerMixin:
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         """The checkpoint's HF safetensors, read per rank by a fresh build at this layout (any layout wrote them)."""
         if not os.path.isfile(os.path.join(resume_from_checkpoint, TRAINER_STATE_NAME)):
-            raise ConfigError(f"PipelineTrainer: {resume_from_checkpoint} is no Trainer checkpoint ({TRAINER_STATE_NAME})")
+            raise ConfigError(
+                f"PipelineTrainer: {resume_from_checkpoint} is no Trainer checkpoint ({TRAINER_STATE_NAME})"
+            )
         self.pipe = build_pipeline(self._hf_model, self.pipe.mesh, self._pcfg, checkpoint=resume_from_checkpoint,
                                    source_dir=self._source)  # fmt: skip
         self.optimizer, self.lr_scheduler = None, None

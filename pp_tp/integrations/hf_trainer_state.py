@@ -57,7 +57,9 @@ def save_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], full
     state: dict[str, dict] = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
-            whole = {k: full_tensor(v).cpu() if torch.is_tensor(v) else v for k, v in optimizer.state.get(p, {}).items()}
+            whole = {
+                k: full_tensor(v).cpu() if torch.is_tensor(v) else v for k, v in optimizer.state.get(p, {}).items()
+            }
             if writer and whole:
                 state.setdefault(names[id(p)], whole)
     hyper = {g["trainer_group"]: _hyper(g) for g in reversed(optimizer.param_groups)} if writer else {}
