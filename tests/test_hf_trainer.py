@@ -48,14 +48,20 @@ def _history(trainer) -> list[tuple[float, float]]:
     return [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
 
 
+def _eval(trainer) -> list[tuple[float, float]]:
+    """The eval loss of 24 rows, as a (loss, 1.0) entry after the logged steps."""
+    return [(trainer.evaluate(_data(trainer.model.config.vocab_size)[:24])["eval_loss"], 1.0)]
+
+
 def reference(out: str, model_fn=_llama, resume: str | None = None, **kw) -> tuple[list, dict]:
-    """transformers.Trainer on one process: (loss, grad norm) per step and the trained parameters."""
+    """transformers.Trainer on one process: (loss, grad norm) per step then (eval loss of 24 rows, 1), and the
+    trained parameters."""
     from transformers import Trainer
 
     model = model_fn()
     trainer = Trainer(model, _args(out, **kw), train_dataset=_data(model.config.vocab_size))
     trainer.train(resume_from_checkpoint=resume)
-    return _history(trainer), {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return _history(trainer) + _eval(trainer), {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _qwen3_moe():
@@ -81,7 +87,7 @@ def pipeline_case(out: str, parallel: dict, model_fn=_llama, resume: str | None 
 
     trainer = run(out, None)
     trainer.save_model(os.path.join(out, "model"))
-    result = {"history": _history(trainer)}
+    result = {"history": _history(trainer) + _eval(trainer)}
     if resume is not None:
         result["resumed"] = _history(run(out + "_resumed", resume))
     return result
@@ -130,16 +136,17 @@ def test_trainer_pp2_tp2(world, tmp_path):
 def test_trainer_pp2_dp2_and_moe(world, tmp_path):
     """pp2 x dp2 against Trainer reading dp x the rows per batch, resuming from that Trainer's step-2 checkpoint (one
     process -> pp2 x dp2); a Qwen3-MoE at pp2 x ep2 (dp_shard 2) likewise."""
+    saving = dict(save_strategy="steps", save_steps=2)
     for name, model_fn, parallel in [("llama", _llama, dict(pp=2, dp_shard=2)),
                                      ("moe", _qwen3_moe, dict(pp=2, dp_shard=2, ep=2))]:  # fmt: skip
         ref = str(tmp_path / f"ref_{name}")
-        want, params = reference(ref, model_fn, per_device_train_batch_size=8, save_strategy="steps", save_steps=2)
+        want, params = reference(ref, model_fn, per_device_train_batch_size=8, per_device_eval_batch_size=16, **saving)
         out = str(tmp_path / f"pipe_{name}")
         resume = os.path.join(ref, "checkpoint-2")
         got = world(4).run(pipeline_case, out, parallel, model_fn, resume=resume)
         for g in got:
             _close(g["history"], want)
-            _close(g["resumed"][2:], want[2:])  # the first two: the checkpoint's log
+            _close(g["resumed"][2:], want[2:4])  # the first two: the checkpoint's log
         _check_saved(os.path.join(out, "model"), params, None if name == "llama" else _load_moe)
 
 

@@ -43,7 +43,9 @@ class StageParts(nn.Module):
         self.parts = nn.ModuleList(parts)
         self.config = config
 
-    def forward(self, *args: Any, **kwargs: Any) -> None:
+    def forward(self, input_ids: Any = None, attention_mask: Any = None, position_ids: Any = None, labels: Any = None,
+                shift_labels: Any = None) -> None:  # fmt: skip
+        """Its parameters name the batch keys Trainer keeps (the pipeline's inputs, hf_trainer_batches.merge_rows)."""
         raise ConfigError("PipelineTrainer: the model runs through its pipeline (Pipeline.step), not model(...)")
 
     def activation_checkpointing_enable(self, **kwargs: Any) -> None:
@@ -133,7 +135,7 @@ class PipelineTrainerMixin:
         args = args if args is not None else TrainingArguments(output_dir="tmp_trainer")
         pcfg = parallel_config(parallel, args)
         refuse(args, kwargs, pcfg)
-        _ = args._setup_devices  # under torchrun accelerate starts the process group here
+        _ = args.device  # under torchrun accelerate starts the process group here
         meta = any(p.is_meta for p in model.parameters())
         source = getattr(model, "name_or_path", "") if meta else None
         if meta and not os.path.isdir(source or ""):
@@ -144,7 +146,6 @@ class PipelineTrainerMixin:
         self._pcfg, self._source = pcfg, source
         self.pipe = build_pipeline(model, mesh if mesh is not None else build_mesh(pcfg), pcfg, checkpoint=source)
         super().__init__(model, args, *rest, **kwargs)
-        self._set_signature_columns_if_needed()  # read off the model's own forward, not the stages'
         self._full_groups = states.trainer_groups(self.model, self.get_decay_parameter_names(self.model))
         self._hf_model = self.model
         self._set_stages()
@@ -153,7 +154,7 @@ class PipelineTrainerMixin:
         self.model = self.model_wrapped = StageParts(self.pipe.model_parts, self._hf_model.config)
         self.callback_handler.model = self.model
         # evaluation_loop prepares (and moves) a model the accelerator does not hold: the stages are placed already
-        self.accelerator._models[:] = [self.model]
+        self.accelerator.prepare_model(self.model, device_placement=False, evaluation_mode=True)
         self._dp, self._dp_rank = dp_size(self.pipe.mesh), dp_rank(self.pipe.mesh)
         self._pending: list[dict] = []
 
@@ -169,7 +170,7 @@ class PipelineTrainerMixin:
             raise ValueError("Trainer: training requires a train_dataset.")
         with one_process_loaders(self.accelerator):
             return self._get_dataloader(
-                self.train_dataset, "Training", self._train_batch_size * self._dp, self._get_train_sampler,
+                self.train_dataset, "Training", self.args.train_batch_size * self._dp, self._get_train_sampler,
                 is_training=True,
             )  # fmt: skip
 
@@ -182,7 +183,7 @@ class PipelineTrainerMixin:
                                         self._get_eval_sampler)  # fmt: skip
 
     def get_total_train_batch_size(self, args: TrainingArguments) -> int:
-        return self._train_batch_size * args.gradient_accumulation_steps * self._dp
+        return args.train_batch_size * args.gradient_accumulation_steps * self._dp
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: torch.device) -> tuple[list, None]:
         """This DP rank's rows of the next `num_batches` batches; the pipeline counts the step's tokens itself."""
@@ -225,8 +226,9 @@ class PipelineTrainerMixin:
 
     def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: str | None):
         """Trainer's preparation without accelerate's wrapping: the stages are placed and sharded already."""
-        if self._created_lr_scheduler:
-            self.lr_scheduler, self._created_lr_scheduler = None, False
+        self.lr_scheduler = (
+            None  # Trainer made it (a given one is refused): a new one per train() call, as Trainer does
+        )
         self.create_optimizer()
         self.create_scheduler(num_training_steps=max_steps)
         if resume_from_checkpoint is not None:
