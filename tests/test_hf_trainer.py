@@ -71,9 +71,11 @@ def _qwen3_moe():
     return fam.make("qwen3_moe")
 
 
-def pipeline_case(out: str, parallel: dict, model_fn=_llama, resume: str | None = None, **kw) -> dict:
-    """Per rank: the logged (loss, grad norm) per step of a PipelineTrainer run, its model saved to `out`/model, and
-    with `resume` the steps after it of a second run resuming from that checkpoint."""
+def pipeline_case(out: str, parallel: dict, model_fn=_llama, resume: str | None = None, meta_from: str | None = None,
+                  **kw) -> dict:  # fmt: skip
+    """Per rank: the logged (loss, grad norm) per step of a PipelineTrainer run and its eval loss, its model saved to
+    `out`/model; with `resume` the steps of a second run resuming from that checkpoint; with `meta_from` the eval
+    loss of a PipelineTrainer given a meta model of that directory."""
     from pp_tp.integrations.hf_trainer import PipelineTrainer
 
     pcfg = pu.pcfg_of(**parallel)
@@ -90,6 +92,13 @@ def pipeline_case(out: str, parallel: dict, model_fn=_llama, resume: str | None 
     result = {"history": _history(trainer) + _eval(trainer)}
     if resume is not None:
         result["resumed"] = _history(run(out + "_resumed", resume))
+    if meta_from is not None:  # a meta model whose config names its checkpoint: each rank reads its slices
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        with torch.device("meta"):
+            meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(meta_from), attn_implementation="sdpa")
+        trainer = PipelineTrainer(meta, _args(out + "_meta", **kw), parallel=pcfg, mesh=pu.mesh_for(pcfg))
+        result["meta_eval"] = _eval(trainer)
     return result
 
 
@@ -123,9 +132,10 @@ def test_trainer_pp2_tp2(world, tmp_path):
     ref = str(tmp_path / "ref")
     want, params = reference(ref, **saving)
     out = str(tmp_path / "pipe")
-    got = world(4).run(pipeline_case, out, dict(pp=2, tp=2), **saving)
+    got = world(4).run(pipeline_case, out, dict(pp=2, tp=2), meta_from=os.path.join(ref, "checkpoint-4"), **saving)
     for g in got:
         _close(g["history"], want)
+        _close(g["meta_eval"], want[-1:])
     _check_saved(os.path.join(out, "model"), params)
     assert _optimizer_err(os.path.join(out, "checkpoint-2"), os.path.join(ref, "checkpoint-2")) <= 1e-4
     resumed, resumed_params = reference(str(tmp_path / "ref_resumed"), resume=os.path.join(out, "checkpoint-2"))
@@ -156,9 +166,15 @@ def _load_moe(path: str):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 
-def test_refusals(tmp_path):
-    """What cannot run under a pipeline: one line naming it, before any process group or build."""
-    from pp_tp.integrations.hf_trainer import PipelineTrainer
+def test_parallel_config_and_refusals(tmp_path):
+    """Trainer's arguments in the [parallel] config; what cannot run under a pipeline: one line naming it, before
+    any process group or build."""
+    from pp_tp.integrations.hf_trainer import PipelineTrainer, parallel_config
+
+    pcfg = parallel_config(dict(pp=2), _args(str(tmp_path), bf16=True, gradient_checkpointing=True))
+    assert (pcfg.microbatches, pcfg.mixed_precision, pcfg.activation_checkpoint) == (2, "bf16", "full")
+    pcfg = parallel_config(dict(pp=2, microbatches=4, activation_checkpoint="selective"), _args(str(tmp_path)))
+    assert (pcfg.microbatches, pcfg.mixed_precision, pcfg.activation_checkpoint) == (4, "fp32", "selective")
 
     cases = [
         (dict(fp16=True), {}, "fp16"),
