@@ -159,7 +159,7 @@ class PipelineTrainerMixin:
         self._pending: list[dict] = []
 
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
-        """The pipeline placed each stage on this rank's device; the model itself stays on meta."""
+        """The pipeline placed each stage on this rank's device; the model given stays where it is."""
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
         return model
@@ -286,7 +286,9 @@ class PipelineTrainerMixin:
             raise ConfigError(
                 f"PipelineTrainer: {resume_from_checkpoint} is no Trainer checkpoint ({TRAINER_STATE_NAME})"
             )
-        self.pipe = build_pipeline(self._hf_model, self.pipe.mesh, self._pcfg, checkpoint=resume_from_checkpoint,
+        with torch.device("meta"):  # the first build sharded the given model's own modules: build a fresh one
+            fresh = type(self._hf_model)(self._hf_model.config)
+        self.pipe = build_pipeline(fresh, self.pipe.mesh, self._pcfg, checkpoint=resume_from_checkpoint,
                                    source_dir=self._source)  # fmt: skip
         self.optimizer, self.lr_scheduler = None, None
         self._set_stages()
