@@ -125,6 +125,10 @@ def refuse(args: TrainingArguments, kwargs: dict[str, Any], pcfg: ParallelConfig
             raise ConfigError(f"PipelineTrainer does not support {name}: {fix}")
 
 
+def _as_is(tensors: Any, **kwargs: Any) -> Any:
+    return tensors
+
+
 class PipelineTrainerMixin:
     """The pipeline seams of Trainer; `PipelineTrainer` is this over `transformers.Trainer`, PipelineSFTTrainer over
     TRL's SFTTrainer. `parallel`: a ParallelConfig, a dict of its keys or a TOML path (its [parallel]); `mesh`: an
@@ -147,6 +151,9 @@ class PipelineTrainerMixin:
         self.pipe = build_pipeline(model, mesh if mesh is not None else build_mesh(pcfg), pcfg, checkpoint=source)
         super().__init__(model, args, *rest, **kwargs)
         self._full_groups = states.trainer_groups(self.model, self.get_decay_parameter_names(self.model))
+        # Every rank's eval loss is the global one already: Trainer's gather over the world would count it world
+        # times, and cut the last batch's copies to its rows only.
+        self.gather_function = _as_is
         self._hf_model = self.model
         self._set_stages()
 
