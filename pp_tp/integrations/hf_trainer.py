@@ -125,10 +125,6 @@ def refuse(args: TrainingArguments, kwargs: dict[str, Any], pcfg: ParallelConfig
             raise ConfigError(f"PipelineTrainer does not support {name}: {fix}")
 
 
-def _as_is(tensors: Any, **kwargs: Any) -> Any:
-    return tensors
-
-
 class PipelineTrainerMixin:
     """The pipeline seams of Trainer; `PipelineTrainer` is this over `transformers.Trainer`, PipelineSFTTrainer over
     TRL's SFTTrainer. `parallel`: a ParallelConfig, a dict of its keys or a TOML path (its [parallel]); `mesh`: an
@@ -151,9 +147,7 @@ class PipelineTrainerMixin:
         self.pipe = build_pipeline(model, mesh if mesh is not None else build_mesh(pcfg), pcfg, checkpoint=source)
         super().__init__(model, args, *rest, **kwargs)
         self._full_groups = states.trainer_groups(self.model, self.get_decay_parameter_names(self.model))
-        # Every rank's eval loss is the global one already: Trainer's gather over the world would count it world
-        # times, and cut the last batch's copies to its rows only.
-        self.gather_function = _as_is
+        self.gather_function = self._eval_copies
         self._hf_model = self.model
         self._set_stages()
 
@@ -248,8 +242,14 @@ class PipelineTrainerMixin:
     # ---- evaluation: forward-only pipeline steps -------------------------------------------------------------
     def prediction_step(self, model: nn.Module, inputs: dict, prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None) -> tuple[torch.Tensor, None, None]:  # fmt: skip
+        self._eval_rows = inputs["input_ids"].shape[0]
         ids, labels, positions = merge_rows([dp_share(inputs, self._dp, self._dp_rank)])
         return self.pipe.evaluate(ids, labels, positions).to(self.args.device), None, None
+
+    def _eval_copies(self, losses: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """Trainer's gather of the eval loss copies: every rank's loss is the global batch's already, so one copy per
+        row of that batch, as one process counts a short last batch (a gather over the world would count each rank)."""
+        return losses[:1].repeat(self._eval_rows)
 
     # ---- checkpoints: HF safetensors and Trainer's one-process files ------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
