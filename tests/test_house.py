@@ -234,6 +234,9 @@ OTHER_PRIVATE_NAMES: dict[str, str] = {
     "_can_record_outputs": "transformers: which module class a model records its router_logits from (MoE balancing)",
     "_param_init": "torchtitan: a module's per-parameter init rules",
     "_init_self_buffers": "torchtitan: a RoPE module's buffer init",
+    "_get_dataloader": "transformers Trainer: its loader builder (columns, collator, sampler), at dp x the batch",
+    "_get_train_sampler": "transformers Trainer: its training sampler, for _get_dataloader",
+    "_get_eval_sampler": "transformers Trainer: its evaluation sampler, for _get_dataloader",
 }
 # Nodes with a scope of their own: names bound inside them are neither module globals nor class attributes.
 NEW_SCOPES = (
