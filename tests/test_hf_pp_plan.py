@@ -26,8 +26,9 @@ def _neox(**kw) -> torch.nn.Module:
 def test_parameterless_plan_modules_run_in_the_first_stage():
     model = _neox(hidden_dropout=0.5)
     lay = layout_for(model)
-    assert lay.after_embed_modules == ("gpt_neox.emb_dropout",) and lay.before_norm_modules == ()
-    first = StageModule(model, lay, StageSpec(0, 0, True, [], False, [lay.embed]))
+    assert lay.first.modules == ("gpt_neox.embed_in", "gpt_neox.emb_dropout")
+    assert lay.last.modules == ("gpt_neox.final_layer_norm", "lm_head")
+    first = StageModule(model, lay, StageSpec(0, 0, True, [], False, list(lay.first.modules)))
     middle = StageModule(model, lay, StageSpec(1, 1, False, ["0"], False, [f"{lay.blocks}.0"]))
     assert "gpt_neox.emb_dropout" in dict(first.named_modules())
     assert "gpt_neox.emb_dropout" not in dict(middle.named_modules())

@@ -98,7 +98,7 @@ def check_loss(layout: ModelLayout, pcfg: ParallelConfig, custom_loss: bool) -> 
 
 def check_layout_names(layout: ModelLayout) -> None:
     """Each stage holds the model's modules under their own names, so none may be a stage attribute's name."""
-    tops = {f.split(".")[0] for f in (*layout.first_fqns, layout.blocks, *layout.last_fqns, *layout.shared)}
+    tops = {f.split(".")[0] for f in (*layout.first.modules, layout.blocks, *layout.last.modules, *layout.shared)}
     taken = sorted(n for n in tops if reserved_name(n))
     if taken:
         raise ConfigError(
@@ -110,11 +110,7 @@ def check_layout_names(layout: ModelLayout) -> None:
 def check_layout_holds_all(model: nn.Module, layout: ModelLayout) -> None:
     """A parameter under no module the layout places on a stage would silently leave training and checkpoints (a
     multimodal model's vision tower beside its language model): refused in one line."""
-    placed = [
-        *layout.first_fqns, layout.blocks, *layout.last_fqns, *layout.shared,
-        *layout.after_embed_modules, *layout.before_norm_modules,
-    ]  # fmt: skip
-    placed = [p for p in placed if p]
+    placed = [p for p in (*layout.first.modules, layout.blocks, *layout.last.modules, *layout.shared) if p]
     names: dict[int, list[str]] = {}  # a tied parameter (BERT-generation's lm_head.bias) is placed under any name
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
