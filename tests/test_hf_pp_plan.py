@@ -11,7 +11,7 @@ import transformers as T
 from pp_tp import ParallelConfig
 from pp_tp.errors import ConfigError
 from pp_tp.layout import layout_for
-from pp_tp.preflight.rules import preflight
+from pp_tp.preflight.rules import PreflightInputs, preflight
 from pp_tp.split.plan import StageSpec
 from pp_tp.stages.stage_module import StageModule
 
@@ -58,6 +58,6 @@ def test_weights_beside_the_language_model_are_refused():
     model = _neox()
     model.vision_tower = torch.nn.Linear(8, 8)  # beside gpt_neox, as a multimodal model holds its image encoder
     with pytest.raises(ConfigError, match=r"parameter 'vision_tower.weight' lies outside every module") as e:
-        preflight(model, ParallelConfig(pp=2), "cpu")
+        preflight(model, ParallelConfig(pp=2), PreflightInputs("cpu"))
     assert "\n" not in str(e.value)
-    preflight(_neox(), ParallelConfig(pp=2), "cpu")  # the plain model passes
+    preflight(_neox(), ParallelConfig(pp=2), PreflightInputs("cpu"))  # the plain model passes
