@@ -76,20 +76,11 @@ class LayoutEvaluator:
 
         return counts
 
-    def planned(self, p: ParallelConfig) -> tuple[ParallelConfig, StagePlan, int]:
-        """The layout validated, its stage plan and microbatch size: nothing built or measured; ConfigError where the
-        layout is not valid for this job."""
-        p = validate(dataclasses.replace(self.cfg, parallel=p), self.world).parallel
-        return p, self._plan(p), self.cfg.training.batch_size // (p.dp * p.microbatches)
-
-    def bubble(self, p: ParallelConfig) -> float:
-        """The simulated bubble of the layout's schedule (validated `p`'s schedule, pp, microbatches, stages)."""
-        return self._schedule(p)[1]
-
     def evaluate(self, p: ParallelConfig) -> LayoutPlan | None:
         """The layout with "auto" FSDP policies resolved under p.memory_budget_gib; None if it does not fit."""
-        p, plan, microbatch = self.planned(p)
-        actions, bubble = self._schedule(p)
+        p = validate(dataclasses.replace(self.cfg, parallel=p), self.world).parallel
+        plan, (actions, bubble) = self._plan(p), self._schedule(p)
+        microbatch = self.cfg.training.batch_size // (p.dp * p.microbatches)
         ranks = []
         for r in range(p.pp):
             specs = plan.for_rank(r)

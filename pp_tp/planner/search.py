@@ -19,18 +19,16 @@ skipped like any invalid layout), dp_replicate 1 or dp/8, ep every divisor of dp
 splits the experts evenly (MoE models), GPipe, 1F1B, Interleaved1F1B (2 or 4 stages per
 rank), InterleavedZeroBubble, ZBVZeroBubble, microbatches pp/2pp/4pp, AC none/selective/full, and per pp
 rank the (reshard, grad-reduce) pairs "auto" picks from. Each layout is evaluated from shared caches
-(pp_tp.planner.layout_eval), equal to a full dry run, and only while its lower bound on step time can still reach
-the top (`search`), so 1024 ranks of a 405B model take seconds.
+(pp_tp.planner.layout_eval), equal to a full dry run, so 1024 ranks of a 405B model take seconds.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from dataclasses import dataclass
 
-from pp_tp.config import JobConfig, ParallelConfig
+from pp_tp.config import JobConfig
 from pp_tp.errors import ConfigError
 from pp_tp.layout import ModelDims, layout_for
 from pp_tp.models.factory import build_model
@@ -38,7 +36,6 @@ from pp_tp.planner.auto import GIB, comm_bytes
 from pp_tp.planner.context import rank_kv_bytes
 from pp_tp.planner.layout_eval import LayoutEvaluator, LayoutPlan
 from pp_tp.planner.moe import Experts, model_experts, rank_all_to_all_bytes
-from pp_tp.split.plan import StagePlan
 
 DEVICES = {"H100": (989e12, 450e9, 50e9), "H200": (989e12, 450e9, 50e9)}  # bf16 dense FLOP/s, NVLink, IB B/s
 NODE = 8
@@ -62,49 +59,30 @@ class Candidate:
     bubble: float
 
 
-def _rank_times(
-    cfg: JobConfig,
-    p: ParallelConfig,
-    plan: StagePlan,
-    microbatch: int,
-    dev: Device,
-    dims: ModelDims,
-    experts: Experts | None = None,
-) -> list[tuple[float, float]]:
-    """Per pp rank: (compute, compute + TP + EP + CP) seconds, under the cost model in the module docstring. They
-    need the plan alone (no stage built or measured), so they bound a layout's step time from below."""
-    t = cfg.training
+def step_time(cfg: JobConfig, lay: LayoutPlan, dev: Device, dims: ModelDims, experts: Experts | None = None) -> float:
+    """Seconds per step of the evaluated layout under the cost model in the module docstring."""
+    p, t = lay.pcfg, cfg.training
     d = dims.dim
-    tokens = microbatch * t.seq_len
+    tokens = lay.microbatch * t.seq_len
     recompute = {"full": 4 / 3, "selective": 1.1}.get(p.activation_checkpoint, 1.0)
-    times = []
-    for r in range(p.pp):
-        stages = plan.for_rank(r)
+    worst = 0.0
+    for r, walk in zip(lay.ranks, lay.walks):
+        stages = lay.plan.for_rank(r.pp_rank)
         local = tokens / p.cp  # each cp rank runs its head-tail share of every sequence
         compute = sum(s.cost for s in stages) * local * p.microbatches * recompute / p.tp / dev.peak_flops
         blocks = sum(len(s.blocks) for s in stages)
         ar = 2 * (p.tp - 1) / p.tp * local * d * 2 / dev.nvlink_bw if p.tp > 1 else 0.0
         tp_time = 4 * blocks * p.microbatches * ar
-        kv = rank_kv_bytes(blocks, p, microbatch, t.seq_len, dims)
+        shard = p.dp_shard * p.cp  # FSDP's group
+        bw = dev.nvlink_bw if p.tp * shard <= NODE else dev.ib_bw
+        fsdp = comm_bytes(r, walk) * (shard - 1) / max(shard, 1) / bw
+        kv = rank_kv_bytes(blocks, p, lay.microbatch, t.seq_len, dims)
         cp_time = kv / (dev.nvlink_bw if p.cp * p.tp <= NODE else dev.ib_bw)
         ep_time = 0.0
         if experts is not None and p.ep > 1:  # the ep group is ep x tp neighbouring ranks (pp_tp.parallel.mesh)
             sent = rank_all_to_all_bytes(experts, (b for s in stages for b in s.blocks), p, tokens, d)
             ep_time = sent / (dev.nvlink_bw if p.ep * p.tp <= NODE else dev.ib_bw)
-        times.append((compute, compute + tp_time + ep_time + cp_time))
-    return times
-
-
-def step_time(cfg: JobConfig, lay: LayoutPlan, dev: Device, dims: ModelDims, experts: Experts | None = None) -> float:
-    """Seconds per step of the evaluated layout under the cost model in the module docstring."""
-    p = lay.pcfg
-    worst = 0.0
-    times = _rank_times(cfg, p, lay.plan, lay.microbatch, dev, dims, experts)
-    for (compute, busy), r, walk in zip(times, lay.ranks, lay.walks):
-        shard = p.dp_shard * p.cp  # FSDP's group
-        bw = dev.nvlink_bw if p.tp * shard <= NODE else dev.ib_bw
-        fsdp = comm_bytes(r, walk) * (shard - 1) / max(shard, 1) / bw
-        worst = max(worst, busy * (1 + lay.bubble) + max(0.0, fsdp - compute))
+        worst = max(worst, (compute + tp_time + ep_time + cp_time) * (1 + lay.bubble) + max(0.0, fsdp - compute))
     return worst
 
 
@@ -147,46 +125,27 @@ def _layouts(cfg: JobConfig, world: int, experts: Experts | None = None):
 
 
 def search(cfg: JobConfig, world: int, budget_gib: float, dev: Device, top: int) -> list[Candidate]:
-    """The `top` fitting layouts, fastest first; FSDP policies are "auto" under the budget for each.
-
-    Branch and bound, the same answer as evaluating every layout: a layout's compute, TP, EP and CP seconds (times
-    its bubble) bound its step time from below (FSDP's exposed time only adds), and they need its stage plan alone.
-    Layouts are evaluated (stages built and measured, memory fitted) cheapest bound first, and the rest are left once
-    the bound passes the `top`-th fitting step time found; ties keep the enumeration's order."""
+    """The `top` fitting layouts, fastest first; FSDP policies are "auto" under the budget for each."""
     model = build_model(cfg.model, "meta")
     layout = layout_for(model)
     evaluator = LayoutEvaluator(cfg, world, model, layout)
     experts = model_experts(model, layout)
-    dims = evaluator.costs.dims
-    bounded = []
-    for order, kw in enumerate(_layouts(cfg, world, experts)):
+    found = []
+    for kw in _layouts(cfg, world, experts):
         pcfg = dataclasses.replace(
             cfg.parallel, **kw, fsdp_reshard_after_forward="auto", fsdp_grad_reduce="auto",
             memory_budget_gib=budget_gib, split="balanced", layers_per_stage=None, stage_fqns=None,
             compile=False, float8=False,
         )  # fmt: skip
         try:
-            p, plan, microbatch = evaluator.planned(pcfg)
-        except ConfigError:
-            continue  # not a valid layout for this model and batch
-        bound = max(busy for _, busy in _rank_times(cfg, p, plan, microbatch, dev, dims, experts))
-        bounded.append((bound, order, pcfg, p))
-    found: list[tuple[float, int, Candidate]] = []
-    for bound, order, pcfg, p in sorted(bounded, key=lambda b: b[:2]):
-        kth = sorted(f[:2] for f in found)[top - 1][0] if len(found) >= top else math.inf
-        if bound > kth:
-            break  # every layout left is slower than `top` found ones
-        if bound * (1 + evaluator.bubble(p)) > kth:
-            continue
-        try:
             lay = evaluator.evaluate(pcfg)
         except ConfigError:
-            continue  # refused by the model's rules where its stages are built
+            continue  # not a valid layout for this model and batch
         if lay is not None:
             keys = {k: getattr(lay.pcfg, k) for k in PARALLEL_KEYS + POLICY_KEYS}
-            time_s = step_time(cfg, lay, dev, dims, experts)
-            found.append((time_s, order, Candidate(keys, lay.peak_bytes / GIB, time_s, lay.bubble)))
-    return [c for _, _, c in sorted(found, key=lambda f: f[:2])[:top]]
+            time_s = step_time(cfg, lay, dev, evaluator.costs.dims, experts)
+            found.append(Candidate(keys, lay.peak_bytes / GIB, time_s, lay.bubble))
+    return sorted(found, key=lambda c: c.step_time_s)[:top]
 
 
 __all__ = ["DEVICES", "Candidate", "Device", "search", "step_time"]
