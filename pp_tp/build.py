@@ -17,7 +17,7 @@ from pp_tp.hf_checkpoint import open_checked
 from pp_tp.materialize import build_local_stages
 from pp_tp.parallel.fsdp import grad_factor
 from pp_tp.parallel.mesh import rank_device
-from pp_tp.preflight import Preflight, check_seq_len, preflight
+from pp_tp.preflight import Preflight, PreflightInputs, check_seq_len, preflight
 from pp_tp.preflight.verdict import agreed
 from pp_tp.runtime.boundary import BoundaryShapes, InferredShapes, meta_skeleton
 from pp_tp.runtime.built import BuildOptions, BuiltStages
@@ -53,10 +53,10 @@ def build_pipeline(
     `model` is the full model on the meta device (values from `seed`, or `state_dict` keyed by FQN) or holding
     weights (they are used, persistent buffers included). The rest is one `BuildOptions` value (every field and its
     default is documented there): `options=` whole, or its fields as keywords (`seed=`, `state_dict=`, `seq_len=`,
-    `checkpoint=`, `source_dir=`, `loss_fn=`, `loss_normalizer=`, `rng_seed=`, `moe=`), keywords replacing the
-    fields of `options` when both are given. With `loss_fn`, `Pipeline.step(inputs, targets)` takes any tensors,
-    boundaries inferred per input shape. Every check and the local build run before any collective; then one
-    exchange makes every rank refuse together (the same line) or go on together. With `parallel.dtype = "float64"`
+    `checkpoint=`, `source_dir=`, `loss_fn=`, `loss_normalizer=`, `rng_seed=`, `moe=`, `document_mask=`), keywords
+    replacing the fields of `options` when both are given. With `loss_fn`, `Pipeline.step(inputs, targets)` takes
+    any tensors, boundaries inferred per input shape. Every check and the local build run before any collective; then
+    one exchange makes every rank refuse together (the same line) or go on together. With `parallel.dtype = "float64"`
     `model` itself is turned float64 first."""
     opts = BuildOptions.of(options, keywords)
     if pcfg.dtype == "float64":
@@ -68,8 +68,8 @@ def build_pipeline(
 
     def local_build() -> tuple[ParallelConfig, FsdpPolicy, Preflight, list[StageModule], SumLoss | None]:
         """Every check and this rank's stages, with no communication; ranks agree on the outcome below."""
-        checked = preflight(model, resolve_parallel(pcfg, dist.get_world_size()), mesh.device_type, opts.seq_len,
-                            custom_loss=opts.loss_fn is not None, moe=opts.moe)  # fmt: skip
+        inputs = PreflightInputs(mesh.device_type, opts.seq_len, opts.document_mask, opts.loss_fn is not None, opts.moe)
+        checked = preflight(model, resolve_parallel(pcfg, dist.get_world_size()), inputs)
         resolved, fsdp = checked.parallel, FsdpPolicy.for_rank(checked.parallel, pp_rank)
         loss = SumLoss(opts.loss_fn, opts.loss_normalizer) if opts.loss_fn is not None else None
         source = open_checked(opts.checkpoint, model) if opts.checkpoint else None

@@ -122,3 +122,16 @@ def test_positions_restart_after_every_eos_and_layouts_without_document_inputs_a
     check_document_mask(REFERENCE)
     with pytest.raises(ConfigError, match="data.document_mask = true: the 'reference' model layout cannot keep"):
         check_document_mask(dataclasses.replace(REFERENCE, document_block_inputs=None))
+
+
+def test_build_pipeline_refuses_a_layout_that_cannot_mask_documents_before_the_first_step():
+    """`document_mask=True` (the trainer passes `data.document_mask`) reaches preflight at the build: BLOOM's ALiBi
+    biases come from the batch's shape, so its layout has no document inputs and the build refuses in one line."""
+    from pp_tp.parallel.mesh import make_mesh
+    from pp_tp.planner.fake_world import fake_world
+
+    with torch.device("meta"):
+        bloom = T.BloomForCausalLM(T.BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=VOCAB))
+    pcfg = pp_tp.ParallelConfig(pp=2, dp_shard=1, stages_per_rank=1, microbatches=2)
+    with fake_world(2), pytest.raises(ConfigError, match="data.document_mask = true: the 'hf' model layout cannot"):
+        pp_tp.build_pipeline(bloom, make_mesh("cpu", pcfg, 2), pcfg, seq_len=SEQ, document_mask=True)

@@ -32,7 +32,7 @@ from pp_tp.models.hf.layout import compose
 from pp_tp.models.reference.model import ModelArgs
 from pp_tp.parallel.rng import active_dropout, switch_off_dropout
 from pp_tp.parity import dp_share
-from pp_tp.preflight import preflight
+from pp_tp.preflight import PreflightInputs, preflight
 from pp_tp.train.checkpoint import _restore_rng, _rng_blob
 
 VOCAB, SEQ, BATCH = 64, 16, 8
@@ -215,7 +215,11 @@ def test_dropout_streams_follow_the_discipline(world):
 
 
 def _preflight(model: torch.nn.Module, **kw) -> None:
-    preflight(model, ParallelConfig(**{"pp": 2, "tp": 2, "dp_shard": 1, "stages_per_rank": 1, **kw}), "cpu", SEQ)
+    preflight(
+        model,
+        ParallelConfig(**{"pp": 2, "tp": 2, "dp_shard": 1, "stages_per_rank": 1, **kw}),
+        PreflightInputs("cpu", SEQ),
+    )
 
 
 def test_where_the_discipline_cannot_hold_dropout_is_refused_in_one_line():
@@ -223,7 +227,7 @@ def test_where_the_discipline_cannot_hold_dropout_is_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"parallel.compile = true with dropout .* set parallel.compile = false"):
         _preflight(model, compile=True)
     with pytest.raises(ConfigError, match=r"dropout .* on a 'mps' device"):
-        preflight(model, ParallelConfig(pp=2, dp_shard=1, stages_per_rank=1), "mps", SEQ)
+        preflight(model, ParallelConfig(pp=2, dp_shard=1, stages_per_rank=1), PreflightInputs("mps", SEQ))
     with pytest.raises(ConfigError, match=r"attention_dropout = 0.1 inside the 'flex_attention' attention kernel"):
         _preflight(_seed_oss(0.1, "meta", attn="flex_attention"))
     _preflight(_seed_oss(0.0, "meta"), compile=True)  # no dropout: nothing to place

@@ -22,7 +22,7 @@ import pp_tp
 from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
 from pp_tp.models.reference.model import ModelArgs
-from pp_tp.preflight import preflight
+from pp_tp.preflight import PreflightInputs, preflight
 
 EP = dict(dp_shard=2, ep=2)
 TP = dict(tp=2, embedding="vocab_parallel")
@@ -100,7 +100,7 @@ def test_tp_experts_one_all_reduce_each_way_per_moe_layer_and_microbatch(world):
 
 def _preflight(model: torch.nn.Module, **kw) -> None:
     pcfg = pp_tp.config.resolve_parallel(ParallelConfig(**{"dp_shard": 1, **kw}), kw.get("world"))
-    preflight(model, pcfg, "cpu", SEQ)
+    preflight(model, pcfg, PreflightInputs("cpu", SEQ))
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ from hf_utils import VOCAB, Family, assert_exact, run_families
 import pp_tp
 from pp_tp.errors import ConfigError
 from pp_tp.layout import layout_for
+from pp_tp.models.hf.discover import EmbedCall
 
 IDS = dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 BASE = dict(
@@ -87,14 +88,17 @@ def one_line(name: str, match: str, **kw) -> None:
 
 def test_gpt2_and_opt_structures_are_found_from_their_forward():
     gpt2 = layout_for(make("gpt2", "meta"))
-    assert (gpt2.embed, gpt2.blocks, gpt2.norm, gpt2.head) == ("transformer.wte", "transformer.h", "transformer.ln_f",
-                                                               "lm_head")  # fmt: skip
-    assert gpt2.after_embed_modules == ("transformer.wpe", "transformer.drop") and gpt2.embed_call is not None
+    assert (gpt2.first.modules, gpt2.blocks, gpt2.last.modules) == (
+        ("transformer.wte", "transformer.wpe", "transformer.drop"),
+        "transformer.h",
+        ("transformer.ln_f", "lm_head"),
+    )
+    assert isinstance(gpt2.first.call, EmbedCall)  # learned positions: the forward's own path, not the modules in turn
     assert "declares no base_model_tp_plan" in gpt2.tp_refusal  # no TP plan: tp > 1 refused in one line
     opt = layout_for(make("opt", "meta"))
-    assert (opt.embed, opt.blocks, opt.norm) == ("model.decoder.embed_tokens", "model.decoder.layers",
-                                                 "model.decoder.final_layer_norm")  # fmt: skip
-    assert opt.after_embed_modules == ("model.decoder.embed_positions",)
+    assert (opt.first.modules, opt.blocks, opt.last.modules[0]) == (
+        ("model.decoder.embed_tokens", "model.decoder.embed_positions"), "model.decoder.layers",
+        "model.decoder.final_layer_norm")  # fmt: skip
 
 
 def test_the_gpt2_first_stage_adds_learned_positions_as_its_forward_does():
@@ -104,7 +108,7 @@ def test_the_gpt2_first_stage_adds_learned_positions_as_its_forward_does():
     torch.manual_seed(0)
     model = make("gpt2").eval()
     lay = layout_for(model)
-    first = StageModule(model, lay, StageSpec(0, 0, True, [], False, [lay.embed]))
+    first = StageModule(model, lay, StageSpec(0, 0, True, [], False, list(lay.first.modules)))
     ids = torch.randint(0, VOCAB, (2, 8))
     want = model.transformer.wte(ids) + model.transformer.wpe(torch.arange(8))
     assert torch.equal(first(ids), want)
@@ -149,9 +153,8 @@ def test_the_ctrl_first_stage_replays_its_forwards_scale_and_sinusoidal_position
     torch.manual_seed(0)
     model = make("ctrl").eval()
     lay = layout_for(model)
-    assert (lay.embed, lay.blocks, lay.after_embed_modules) == ("transformer.w", "transformer.h",
-                                                                ("transformer.dropout",))  # fmt: skip
-    first = StageModule(model, lay, StageSpec(0, 0, True, [], False, [lay.embed, *lay.after_embed_modules]))
+    assert (lay.first.modules, lay.blocks) == (("transformer.w", "transformer.dropout"), "transformer.h")
+    first = StageModule(model, lay, StageSpec(0, 0, True, [], False, list(lay.first.modules)))
     ids = torch.randint(0, VOCAB, (2, 8))
     for positions in (None, torch.arange(8).repeat(2, 1) % 5 + 3):
         with torch.no_grad():
@@ -174,9 +177,9 @@ def test_the_modules_between_base_model_and_head_are_found_from_the_forward():
 
 def test_wrapped_layers_no_final_norm_and_alibi_are_found():
     bert = layout_for(make("bert-generation", "meta"))
-    assert (bert.embed, bert.blocks, bert.norm) == ("bert.embeddings.word_embeddings", "bert.encoder.layer", "")
-    assert bert.last_fqns == ("lm_head.decoder",)  # no final norm: the head right after the layers
-    assert layout_for(make("openai-gpt", "meta")).last_fqns == ("lm_head",)
+    assert (bert.embed, bert.blocks) == ("bert.embeddings.word_embeddings", "bert.encoder.layer")
+    assert bert.last.modules == ("lm_head.decoder",)  # no final norm: the head right after the layers
+    assert layout_for(make("openai-gpt", "meta")).last.modules == ("lm_head",)
     bloom = layout_for(make("bloom", "meta", n_head=8))
     assert bloom.document_block_inputs is None  # biases from the batch's shape: packed documents refused
 
@@ -193,7 +196,8 @@ def test_alibi_is_what_the_family_computes_for_the_models_own_head_count():
 
 def test_llama4_text_gets_a_layout_with_chunked_attention():
     lay = layout_for(make("llama4_text", "meta"))
-    assert (lay.embed, lay.blocks, lay.norm) == ("model.embed_tokens", "model.layers", "model.norm")
+    assert (lay.first.modules, lay.blocks, lay.last.modules) == (("model.embed_tokens",), "model.layers",
+                                                                 ("model.norm", "lm_head"))  # fmt: skip
 
 
 def test_router_noise_outside_sharded_regions_is_accepted():

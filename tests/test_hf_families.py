@@ -21,7 +21,7 @@ from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
 from pp_tp.layout import layout_for
 from pp_tp.models.reference.model import ModelArgs
-from pp_tp.preflight import preflight
+from pp_tp.preflight import PreflightInputs, preflight
 
 
 def _sliding(**kw) -> dict:
@@ -186,7 +186,7 @@ def test_tp_collectives_per_block_at_tp2(world):
 
 
 def _preflight(model: torch.nn.Module, **kw) -> None:
-    preflight(model, ParallelConfig(**{"dp_shard": 1, **kw, "stages_per_rank": 1}), "cpu", SEQ)
+    preflight(model, ParallelConfig(**{"dp_shard": 1, **kw, "stages_per_rank": 1}), PreflightInputs("cpu", SEQ))
 
 
 def test_a_parameter_in_the_sharded_middle_of_a_sub_block_makes_it_run_whole_under_tp():
@@ -229,7 +229,7 @@ def test_the_default_embedding_is_the_exact_choice(name, tp, want):
     """`parallel.embedding = "auto"` (the default) resolves to vocab-parallel exactly when the model ties and tp > 1."""
     pcfg = ParallelConfig(pp=2, tp=tp, dp_shard=1, stages_per_rank=1)
     assert pcfg.embedding == "auto"
-    assert preflight(make(name, "meta"), pcfg, "cpu", SEQ).parallel.embedding == want
+    assert preflight(make(name, "meta"), pcfg, PreflightInputs("cpu", SEQ)).parallel.embedding == want
 
 
 class _DoubledLogits(T.LlamaForCausalLM):

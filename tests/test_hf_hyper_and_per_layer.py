@@ -94,12 +94,13 @@ def test_hyper_connections_and_per_layer_head_dims_are_exact(world):
 
 
 def test_the_stream_crosses_the_boundary_whole_and_hc_head_runs_last():
-    layout = layout_for(FAMILIES["deepseek_v4_score_routed"].make("meta"))
-    assert layout.before_norm_modules == ("model.hc_head",) and "model.hc_head" not in layout.shared
-    assert layout.dims(FAMILIES["deepseek_v4_score_routed"].make("meta")).streams == 4
+    model = FAMILIES["deepseek_v4_score_routed"].make("meta")
+    layout = layout_for(model)
+    assert layout.last.modules == ("model.hc_head", "model.norm", "lm_head") and "model.hc_head" not in layout.shared
+    assert layout.dims(model).streams == 4
     assert not layout.block_ids  # no layer routes by the ids: later stages are not handed them
     h = torch.randn(2, 3, 32)
-    assert torch.equal(layout.after_embed(h), h.unsqueeze(2).expand(-1, -1, 4, -1))
+    assert torch.equal(after_embed(model.config)(h), h.unsqueeze(2).expand(-1, -1, 4, -1))
 
 
 def test_per_layer_dims_divide_every_layer():

@@ -11,7 +11,7 @@ import transformers as T
 from pp_tp import ParallelConfig
 from pp_tp.errors import ConfigError
 from pp_tp.layout import layout_for
-from pp_tp.preflight.rules import preflight
+from pp_tp.preflight.rules import PreflightInputs, preflight
 from pp_tp.split.plan import StageSpec
 from pp_tp.stages.stage_module import StageModule
 
@@ -26,8 +26,9 @@ def _neox(**kw) -> torch.nn.Module:
 def test_parameterless_plan_modules_run_in_the_first_stage():
     model = _neox(hidden_dropout=0.5)
     lay = layout_for(model)
-    assert lay.after_embed_modules == ("gpt_neox.emb_dropout",) and lay.before_norm_modules == ()
-    first = StageModule(model, lay, StageSpec(0, 0, True, [], False, [lay.embed]))
+    assert lay.first.modules == ("gpt_neox.embed_in", "gpt_neox.emb_dropout")
+    assert lay.last.modules == ("gpt_neox.final_layer_norm", "lm_head")
+    first = StageModule(model, lay, StageSpec(0, 0, True, [], False, list(lay.first.modules)))
     middle = StageModule(model, lay, StageSpec(1, 1, False, ["0"], False, [f"{lay.blocks}.0"]))
     assert "gpt_neox.emb_dropout" in dict(first.named_modules())
     assert "gpt_neox.emb_dropout" not in dict(middle.named_modules())
@@ -57,6 +58,6 @@ def test_weights_beside_the_language_model_are_refused():
     model = _neox()
     model.vision_tower = torch.nn.Linear(8, 8)  # beside gpt_neox, as a multimodal model holds its image encoder
     with pytest.raises(ConfigError, match=r"parameter 'vision_tower.weight' lies outside every module") as e:
-        preflight(model, ParallelConfig(pp=2), "cpu")
+        preflight(model, ParallelConfig(pp=2), PreflightInputs("cpu"))
     assert "\n" not in str(e.value)
-    preflight(_neox(), ParallelConfig(pp=2), "cpu")  # the plain model passes
+    preflight(_neox(), ParallelConfig(pp=2), PreflightInputs("cpu"))  # the plain model passes

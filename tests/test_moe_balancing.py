@@ -22,7 +22,7 @@ from pp_tp.config import JobConfig, ModelConfig, ParallelConfig, TrainingConfig,
 from pp_tp.errors import ConfigError
 from pp_tp.models.reference.model import ModelArgs
 from pp_tp.parallel.mesh import dp_rank, dp_size
-from pp_tp.preflight import preflight
+from pp_tp.preflight import PreflightInputs, preflight
 
 TOL = 1e-5
 EP = dict(pp=2, dp_shard=2, ep=2, microbatches=2)
@@ -162,7 +162,7 @@ def test_balancing_equals_the_plain_computation(world):
 
 def _preflight(name: str, **moe) -> None:
     pcfg = pp_tp.config.resolve_parallel(ParallelConfig(dp_shard=1), 1)
-    preflight(_model(name, "meta"), pcfg, "cpu", SEQ, moe=pp_tp.MoEConfig(**moe))
+    preflight(_model(name, "meta"), pcfg, PreflightInputs("cpu", SEQ, moe=pp_tp.MoEConfig(**moe)))
 
 
 @pytest.mark.parametrize(

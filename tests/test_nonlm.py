@@ -26,7 +26,7 @@ from pp_tp.models.vit import ViT, ViTArgs
 from pp_tp.parallel.tensor_parallel import check_tp_plan
 from pp_tp.parity import PipelineRun, ReferenceRun, dp_share, lockstep
 from pp_tp.planner import plan_job
-from pp_tp.preflight import preflight
+from pp_tp.preflight import PreflightInputs, preflight
 from pp_tp.runtime.loss import LOSSES, SumLoss
 from pp_tp.train.trainer import train
 
@@ -186,7 +186,7 @@ def test_declared_tp_refusals():
 
 
 def test_non_lm_needs_a_loss():
-    msg = _refusal(lambda: preflight(_model("credit", "meta"), pcfg_of(stages_per_rank=1), "cpu"))
+    msg = _refusal(lambda: preflight(_model("credit", "meta"), pcfg_of(stages_per_rank=1), PreflightInputs("cpu")))
     assert "'credit' is not a language model" in msg
     with pytest.raises(ConfigError, match="training.loss = 'hinge' is unknown"):
         SumLoss("hinge")

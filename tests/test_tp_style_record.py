@@ -29,7 +29,7 @@ from pp_tp.models.reference.model import ModelArgs, Transformer
 from pp_tp.parallel.local_styles import PackedColwise
 from pp_tp.parallel.tensor_parallel import block_plan, check_tp_plan
 from pp_tp.parallel.tp_styles import TP_STYLES, ReplicateInput
-from pp_tp.preflight import preflight
+from pp_tp.preflight import PreflightInputs, preflight
 
 # What a plugin would write: each record says all pp_tp reads about the style.
 PLUGIN = {
@@ -114,10 +114,10 @@ def test_a_plugin_in_region_style_is_refused_outside_a_replicate_input_sub_block
 
 def test_dropout_is_placed_with_plugin_styles_whose_record_says_how(plugin_styles):
     pcfg = ParallelConfig(pp=2, tp=2, dp_shard=1, stages_per_rank=1)
-    preflight(_plan_blocks(_seed_oss(RATE, "meta"), SWAP), pcfg, "cpu", SEQ)
+    preflight(_plan_blocks(_seed_oss(RATE, "meta"), SWAP), pcfg, PreflightInputs("cpu", SEQ))
     silent = _plan_blocks(_seed_oss(RATE, "meta"), {"colwise": "plugin_colwise_silent"})
     with pytest.raises(ConfigError, match=r"TP style 'plugin_colwise_silent' of .* leaves dropout unset"):
-        preflight(silent, pcfg, "cpu", SEQ)
+        preflight(silent, pcfg, PreflightInputs("cpu", SEQ))
 
 
 @contextmanager

@@ -13,7 +13,7 @@ from pp_tp.config import JobConfig, load_config, validate
 from pp_tp.hf_checkpoint import has_weights, open_checked
 from pp_tp.models.factory import build_model, resolve_model_config
 from pp_tp.parallel.mesh import device_type
-from pp_tp.preflight import Preflight, preflight
+from pp_tp.preflight import Preflight, PreflightInputs, preflight
 from pp_tp.train.sources import make_source
 from pp_tp.train.tensorboard import check_tensorboard
 
@@ -24,10 +24,7 @@ def check_job(cfg: JobConfig, world_size: int | None = None, data: bool = True) 
     `data`: also open the training data source (`pp-tp parity` feeds its own random batches)."""
     cfg = validate(dataclasses.replace(cfg, model=resolve_model_config(cfg.model)), world_size)
     model = build_model(cfg.model, "meta")
-    checked = preflight(
-        model, cfg.parallel, device_type(), cfg.training.seq_len, cfg.data.document_mask, bool(cfg.training.loss),
-        cfg.moe,
-    )  # fmt: skip
+    checked = preflight(model, cfg.parallel, PreflightInputs.of_job(cfg, device_type()))
     cfg = dataclasses.replace(cfg, parallel=checked.parallel)
     if cfg.model.hf_path and has_weights(cfg.model.hf_path):
         open_checked(cfg.model.hf_path, model)  # every header and size the job will load, as build_pipeline does

@@ -133,39 +133,14 @@ def check_non_lm_job(cfg: JobConfig) -> None:
 
 
 def check_data(d: DataConfig) -> DataConfig:
-    """The `[data]` keys agree with each other and with `source`; one line naming the key otherwise."""
-    if d.source == "text" and not os.path.isfile(d.path):
-        raise ConfigError(
-            f'data.path = {d.path!r} is not an existing file but data.source = "text" reads it; '
-            'give a text file\'s path or set data.source = "synthetic"'
-        )
-    files = d.source in ("tokens", "dataset")
-    if files and bool(d.path) == bool(d.paths):
-        raise ConfigError(
-            f"data.source = {d.source!r} reads data.path (one file, glob or directory) or data.paths (a list of "
-            "them); give exactly one of the two"
-        )
-    if not files and d.paths:
-        raise ConfigError(f'data.paths is read by data.source = "tokens" or "dataset" (it is {d.source!r}); remove it')
+    """The `[data]` keys agree with each other and with `source` (its `DataSource` record's rules); one line naming
+    the key otherwise. An unregistered source is refused where it is opened (train/sources.py)."""
+    if d.source in DATA_SOURCES:
+        DATA_SOURCES[d.source].check(d)
     if d.weights is not None and (not d.paths or len(d.weights) != len(d.paths) or min(d.weights) <= 0):
         raise ConfigError(
             f"data.weights = {d.weights} must give one positive weight per data.paths entry "
             f"({len(d.paths or [])}); fix data.weights or remove it"
-        )
-    if d.source == "dataset" and not d.tokenizer:
-        raise ConfigError('data.source = "dataset" tokenizes text: set data.tokenizer to a tokenizer directory')
-    if d.eos_id is not None and d.source != "tokens":
-        raise ConfigError(
-            f'data.eos_id is for data.source = "tokens" (it is {d.source!r}); a tokenizer names its own EOS: remove it'
-        )
-    if d.document_mask and (d.source == "synthetic" or (d.source == "text" and not d.tokenizer)):
-        raise ConfigError(
-            f"data.document_mask = true needs documents ended by an EOS token, which data.source = {d.source!r} "
-            'with byte tokens has none; use source "tokens" (with data.eos_id), "dataset", or data.tokenizer'
-        )
-    if d.document_mask and d.source == "tokens" and d.eos_id is None:
-        raise ConfigError(
-            "data.document_mask = true splits documents at the EOS token: set data.eos_id to the id that ends one"
         )
     return d
 

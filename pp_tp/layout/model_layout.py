@@ -35,10 +35,51 @@ class ModelDims:
     streams: int = 1  # residual streams per token between blocks (hyper-connections' hc_mult): [B, S, streams, dim]
 
 
+EdgeCall = Callable[[nn.Module, torch.Tensor, Any], torch.Tensor]  # (stage, h, position_ids or None) -> h
+
+
+@dataclass(frozen=True)
+class Edge:
+    """What the first stage runs before its blocks, or the last stage after them.
+
+    ``modules``: the model's modules (FQNs, model order) the stage holds for it; for a language model the first
+    edge's first module is the token embedding and the last edge's last module the vocabulary head.
+    ``call(stage, h, position_ids)``: the stage's only code path there (the batch's input in, the first block's input
+    out; the last block's output in, the model's output out). `in_order` builds the usual one.
+    """
+
+    modules: tuple[str, ...]
+    call: EdgeCall
+
+
+@dataclass(frozen=True)
+class _InOrder:
+    """Runs each step on h in turn: a module FQN is called, anything else is a function of h (a multiplier)."""
+
+    steps: tuple[Any, ...]
+
+    def __call__(self, stage: nn.Module, h: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        for step in self.steps:
+            h = stage.get_submodule(step)(h) if isinstance(step, str) else step(h)
+        return h
+
+
+def in_order(*steps: str | Callable[[torch.Tensor], torch.Tensor] | None) -> Edge:
+    """The edge that runs `steps` in order on h: module FQNs (held by the stage) and functions of h (what the
+    model's forward does outside its modules: embedding multipliers, logit softcapping); "" and None are skipped."""
+    kept = tuple(s for s in steps if s)
+    return Edge(tuple(s for s in kept if isinstance(s, str)), _InOrder(kept))
+
+
 @dataclass(frozen=True)
 class ModelLayout:
-    """Describes one model family to the stage builder.
+    """Describes one model family to the stage builder: a core (blocks and how to call them) and two edges.
 
+    ``first`` / ``last``: what the first stage runs before the blocks and the last stage after them (`Edge`: the
+    modules it holds and the one callable that runs them).
+    ``is_lm``: a language model (token ids in, vocabulary logits out: its first edge opens with the embedding, its
+    last closes with the head); False for a ViT or a weather model, which takes any input tensor, hands on whatever
+    its stages output, and trains with the caller's loss (`blocks_layout`).
     ``shared``: names (modules or non-persistent buffers) every stage keeps, e.g. rotary tables.
     ``block_inputs(stage, h)``: the extra args each block needs after the hidden state.
     ``document_block_inputs(stage, h, position_ids)``: the block args for per-token position ids that restart at every
@@ -47,33 +88,25 @@ class ModelLayout:
     ``static_block_inputs``: True when block_inputs depends on h only through its shape, dtype and device (masks,
     rotary tables), so a step computes them once per microbatch shape; False (the default) calls it per microbatch.
     ``call_block(block, h, extras)``: runs one block, returning the new hidden state.
+    ``block_ids``: the blocks read the batch's token ids (DeepSeek-V4's hash routers): `Pipeline.step` hands every
+    stage its microbatch's ids (a schedule keyword, as position ids) and the stage appends them to the extras.
     ``init_buffers(stage, model)``: recomputes non-persistent buffers after meta -> device materialization.
     ``tp_plan``: block-relative FQN -> style name, used by the tensor-parallel pass. "replicate_input" on the
     attention and MLP modules makes backward all-reduce once per sub-block, not once per column-parallel Linear.
     ``attention``: block-relative name of the attention module (selective activation checkpointing).
-    ``after_embed(h)`` / ``after_head(logits)``: what the model's own forward does outside its modules right
-    after the embedding and after the head (embedding multipliers, logit scaling or softcapping).
-    ``after_embed_modules`` / ``before_norm_modules``: parameterless modules (dropout, identity) the model runs
-    on the hidden state right after the embedding / right before the final norm; the first / last stage holds
-    and runs them, with the modules around them.
     ``tp_refusal``: why this model cannot run with parallel.tp > 1 (raised in one line), or None.
     ``experts_spec``: the family's mixture-of-experts experts, one record (`ExpertsSpec`: modules, weights, calling
     convention, counts, routers, expert biases), or None for a dense model; ``experts`` and ``expert_bias`` read it.
     ``specialize(model)``: for a layout that matches a whole family (e.g. every Hugging Face decoder LM), the
     layout of this one model; it may refuse the model in one line.
-    ``pre`` / ``post``: for a model that is not a language model (a ViT, a weather model), the modules the first
-    stage runs in order before the blocks (patch embedding, ...) and the last one after them (norm, head, ...), any
-    names; they replace ``embed`` and ``norm`` -> ``head`` (leave those "", or build it with `blocks_layout`). Such
-    a model takes any input tensor, hands on whatever its stages output, and trains with the caller's loss.
     """
 
     name: str
     matches: Callable[[nn.Module], bool]
     dims: Callable[[nn.Module], ModelDims]
-    embed: str
+    first: Edge
     blocks: str
-    norm: str
-    head: str
+    last: Edge
     shared: tuple[str, ...]
     block_inputs: Callable[[nn.Module, torch.Tensor], tuple[Any, ...]]
     call_block: Callable[[nn.Module, torch.Tensor, tuple[Any, ...]], torch.Tensor]
@@ -82,31 +115,23 @@ class ModelLayout:
     qk_norms: tuple[str, ...] = ()
     attention: str = "attention"
     init_std: InitStd = default_init_std
-    after_embed: Callable[[torch.Tensor], torch.Tensor] | None = None
-    after_head: Callable[[torch.Tensor], torch.Tensor] | None = None
     specialize: Callable[[nn.Module], ModelLayout] | None = None
     tp_refusal: str | None = None
     static_block_inputs: bool = False
     experts_spec: ExpertsSpec | None = None
-    pre: tuple[str, ...] = ()
-    post: tuple[str, ...] = ()
+    document_block_inputs: Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[Any, ...]] | None = None
+    block_ids: bool = False
+    is_lm: bool = True
 
     @property
-    def is_lm(self) -> bool:
-        """A language model: token ids in, an embedding first, vocabulary logits out of a head last."""
-        return not (self.pre or self.post)
+    def embed(self) -> str:
+        """A language model's token embedding (the first edge's first module); "" for other models."""
+        return self.first.modules[0] if self.is_lm and self.first.modules else ""
 
     @property
-    def first_fqns(self) -> tuple[str, ...]:
-        """The modules the first stage runs, in order, before its blocks."""
-        return self.pre if not self.is_lm else (self.embed,)
-
-    @property
-    def last_fqns(self) -> tuple[str, ...]:
-        """The modules the last stage runs, in order, after its blocks."""
-        if not self.is_lm:
-            return self.post
-        return tuple(f for f in (self.norm, *self.before_head, self.head) if f)  # norm "": none
+    def head(self) -> str:
+        """A language model's vocabulary head (the last edge's last module); "" for other models."""
+        return self.last.modules[-1] if self.is_lm and self.last.modules else ""
 
     @property
     def experts(self) -> tuple[str, ...]:
@@ -117,23 +142,6 @@ class ModelLayout:
     def expert_bias(self) -> tuple[str, ...]:
         """Block-relative names of the expert-bias buffers."""
         return self.experts_spec.bias if self.experts_spec is not None else ()
-
-    after_embed_modules: tuple[str, ...] = ()
-    before_norm_modules: tuple[str, ...] = ()
-    # Modules with weights a language model runs between its final norm and its head (ModernBERT-decoder's
-    # prediction head); the last stage holds and runs them, in order.
-    before_head: tuple[str, ...] = ()
-    document_block_inputs: Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[Any, ...]] | None = None
-    # (stage, input_ids, position_ids or None) -> the first block's input, for a language model whose forward adds
-    # more than the embedding (learned positions: GPT-2, OPT); it replaces embed -> after_embed ->
-    # after_embed_modules in the first stage, which holds the modules it reads (named in after_embed_modules).
-    embed_call: Callable[[nn.Module, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
-    # The blocks read the batch's token ids (DeepSeek-V4's hash routers): `Pipeline.step` hands every stage its
-    # microbatch's ids (a schedule keyword, as position ids) and the stage appends them to `call_block`'s extras.
-    block_ids: bool = False
-    # What the last stage runs on the hidden state right before its norm, outside any module (dropping what the
-    # stream carries beside the hidden state: Gemma 4's per-layer inputs); None: nothing.
-    before_norm: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def block_keys(self, model: nn.Module) -> list[str]:
         """The blocks' names inside the blocks container, in execution order."""
@@ -158,8 +166,8 @@ def blocks_layout(
         init_buffers=lambda stage, model: None,
     )
     fields.update(extra)
-    return ModelLayout(name=name, matches=matches, dims=dims, embed="", blocks=blocks, norm="", head="",
-                       pre=pre, post=post, **fields)  # fmt: skip
+    return ModelLayout(name=name, matches=matches, dims=dims, first=in_order(*pre), blocks=blocks,
+                       last=in_order(*post), is_lm=False, **fields)  # fmt: skip
 
 
 _LAYOUTS: list[ModelLayout] = []

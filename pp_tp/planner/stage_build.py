@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from pp_tp.config import JobConfig, ParallelConfig
 from pp_tp.config.fsdp_policy import FsdpPolicy
 from pp_tp.materialize import build_local_stages
-from pp_tp.preflight import Preflight, preflight
+from pp_tp.preflight import Preflight, PreflightInputs, preflight
 from pp_tp.split.plan import StagePlan, StageSpec
 from pp_tp.stages.stage_module import StageModule
 
@@ -24,8 +24,7 @@ META = torch.device("meta")
 def checked_job(model: nn.Module, cfg: JobConfig, pcfg: ParallelConfig, mesh: DeviceMesh) -> Preflight:
     """The runtime's model rules for `model` under `pcfg` (the job's sequence length, document masks, loss and
     `[moe]`, as `pp-tp check` passes them); its `parallel` has the model-dependent defaults resolved."""
-    t = cfg.training
-    return preflight(model, pcfg, mesh.device_type, t.seq_len, cfg.data.document_mask, bool(t.loss), cfg.moe)
+    return preflight(model, pcfg, PreflightInputs.of_job(cfg, mesh.device_type))
 
 
 def build_stage(

@@ -110,8 +110,8 @@ class StageCostCache:
 
     def _spec(self, probe: Probe) -> StageSpec:
         embed, keys, head = probe
-        fqns = ([self.layout.embed] if embed else []) + [f"{self.layout.blocks}.{b}" for b in keys]
-        fqns += list(self.layout.last_fqns) if head else []
+        fqns = (list(self.layout.first.modules) if embed else []) + [f"{self.layout.blocks}.{b}" for b in keys]
+        fqns += list(self.layout.last.modules) if head else []
         return StageSpec(0, 0, embed, list(keys), head, fqns)
 
     def _measure(self, tp: int, ac: str, ep: int, cp: int, probes: list[Probe]) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from pp_tp.config import MoEConfig, ParallelConfig
+from pp_tp.config import JobConfig, MoEConfig, ParallelConfig
 from pp_tp.errors import ConfigError
 from pp_tp.layout import ModelDims, ModelLayout, check_document_mask, layout_for
 from pp_tp.parallel.context_parallel import check_cp_model
@@ -25,6 +25,29 @@ from pp_tp.parallel.whole_on_tp import splits_attention
 from pp_tp.runtime.balancing import check_balancing
 from pp_tp.split.plan import StagePlan, plan_stages
 from pp_tp.stages.stage_module import reserved_name
+
+
+@dataclass(frozen=True)
+class PreflightInputs:
+    """What `preflight` needs beyond the model and the parallel config, one record for every caller: build.py fills it
+    from `BuildOptions`, the planner and `pp-tp check` from the job's config (`of_job`), so each checks the same.
+
+    `device_type`: the mesh's. `seq_len`: the job's sequence length (None: not checked). `document_mask`: the job
+    packs documents (`data.document_mask`), so the layout must mask them. `custom_loss`: the job brings its own loss
+    (build_pipeline's loss_fn, [training] loss). `moe`: the job's MoE load balancing (`[moe]`, build_pipeline's moe).
+    """
+
+    device_type: str
+    seq_len: int | None = None
+    document_mask: bool = False
+    custom_loss: bool = False
+    moe: MoEConfig | None = None
+
+    @classmethod
+    def of_job(cls, cfg: JobConfig, device_type: str) -> PreflightInputs:
+        """A TOML job's inputs: [training] seq_len and loss, [data] document_mask, [moe]."""
+        t = cfg.training
+        return cls(device_type, t.seq_len, cfg.data.document_mask, bool(t.loss), cfg.moe)
 
 
 @dataclass(frozen=True)
@@ -98,7 +121,7 @@ def check_loss(layout: ModelLayout, pcfg: ParallelConfig, custom_loss: bool) -> 
 
 def check_layout_names(layout: ModelLayout) -> None:
     """Each stage holds the model's modules under their own names, so none may be a stage attribute's name."""
-    tops = {f.split(".")[0] for f in (*layout.first_fqns, layout.blocks, *layout.last_fqns, *layout.shared)}
+    tops = {f.split(".")[0] for f in (*layout.first.modules, layout.blocks, *layout.last.modules, *layout.shared)}
     taken = sorted(n for n in tops if reserved_name(n))
     if taken:
         raise ConfigError(
@@ -110,11 +133,7 @@ def check_layout_names(layout: ModelLayout) -> None:
 def check_layout_holds_all(model: nn.Module, layout: ModelLayout) -> None:
     """A parameter under no module the layout places on a stage would silently leave training and checkpoints (a
     multimodal model's vision tower beside its language model): refused in one line."""
-    placed = [
-        *layout.first_fqns, layout.blocks, *layout.last_fqns, *layout.shared,
-        *layout.after_embed_modules, *layout.before_norm_modules,
-    ]  # fmt: skip
-    placed = [p for p in placed if p]
+    placed = [p for p in (*layout.first.modules, layout.blocks, *layout.last.modules, *layout.shared) if p]
     names: dict[int, list[str]] = {}  # a tied parameter (BERT-generation's lm_head.bias) is placed under any name
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
@@ -159,39 +178,28 @@ def check_dropout(model: nn.Module, layout: ModelLayout, pcfg: ParallelConfig, d
                 )
 
 
-def preflight(
-    model: nn.Module,
-    pcfg: ParallelConfig,
-    device_type: str,
-    seq_len: int | None = None,
-    document_mask: bool = False,
-    custom_loss: bool = False,
-    moe: MoEConfig | None = None,
-) -> Preflight:
-    """All model-dependent refusals for `model` under a resolved `pcfg`, in one order; no communication.
-    `document_mask`: the job packs documents (`data.document_mask`), so the layout must mask them. `custom_loss`:
-    the job brings its own loss (build_pipeline's loss_fn, [training] loss). `moe`: the job's MoE load balancing
-    (`[moe]`, build_pipeline's moe). Callers build with the returned
-    `parallel`, whose model-dependent defaults are resolved."""
+def preflight(model: nn.Module, pcfg: ParallelConfig, inputs: PreflightInputs) -> Preflight:
+    """All model-dependent refusals for `model` under a resolved `pcfg`, in one order; no communication. Callers
+    build with the returned `parallel`, whose model-dependent defaults are resolved."""
     layout = layout_for(model)
-    if document_mask:
+    if inputs.document_mask:
         check_document_mask(layout)
     d = layout.dims(model)
     pcfg = resolve_embedding(pcfg, d)
     check_layout_names(layout)
     check_layout_holds_all(model, layout)
-    check_loss(layout, pcfg, custom_loss)
+    check_loss(layout, pcfg, inputs.custom_loss)
     check_model_shape(pcfg, d, pcfg.tp == 1 or splits_attention(model, layout))
-    if seq_len is not None and layout.is_lm:  # other models take no token sequence
-        check_seq_len(seq_len, d)
+    if inputs.seq_len is not None and layout.is_lm:  # other models take no token sequence
+        check_seq_len(inputs.seq_len, d)
     check_tied(pcfg, d)
     check_tp_plan(model, layout, pcfg)
     check_experts(model, layout, pcfg)
-    check_cp_model(model, layout, pcfg, custom_loss)
-    check_balancing(model, layout, pcfg, moe or MoEConfig())
-    check_dropout(model, layout, pcfg, device_type)
-    check_float8(pcfg, device_type)
-    return Preflight(layout, d, plan_stages(model, layout, pcfg, seq_len), pcfg)
+    check_cp_model(model, layout, pcfg, inputs.custom_loss)
+    check_balancing(model, layout, pcfg, inputs.moe or MoEConfig())
+    check_dropout(model, layout, pcfg, inputs.device_type)
+    check_float8(pcfg, inputs.device_type)
+    return Preflight(layout, d, plan_stages(model, layout, pcfg, inputs.seq_len), pcfg)
 
 
 def _check_divisible(key: str, value: int, by_key: str, by: int) -> None:

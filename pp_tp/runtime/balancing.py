@@ -20,6 +20,8 @@ counts `routing_stats` already sums in its one all-reduce per step, identical on
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -32,6 +34,8 @@ from pp_tp.errors import ConfigError
 from pp_tp.layout import ModelLayout
 from pp_tp.parallel.experts import moe_layers
 from pp_tp.parallel.tensor_parallel import matches_rule
+from pp_tp.runtime.built import BuiltStages
+from pp_tp.runtime.routing_stats import RoutingStats
 
 
 def _named(items, rules: tuple[str, ...]) -> list[tuple[str, object]]:
@@ -156,3 +160,47 @@ class ExpertBiases:
         for layer, bias in self.biases:
             c = tokens_per_expert[layer].to(bias.dtype)
             bias += rate * torch.sign(c.mean() - c)
+
+
+class Balancing:
+    """A pipeline's MoE state in one object: the routing counts of the MoE layers its stages hold, the auxiliary loss
+    and the expert biases (each None where the model or `[moe]` has none), and the step's `stats`."""
+
+    def __init__(self, built: BuiltStages):
+        layout = built.stages[0].layout if built.stages else None
+        self.routing = RoutingStats(built.stages, layout, built.mesh) if layout is not None else None
+        self.has_moe = layout is not None and bool(layout.experts)
+        moe = built.options.balancing
+        self.rate = moe.bias_update_rate
+        # d(step aux loss)/d(aux_l) per microbatch: coef / (microbatches * dp), times what FSDP's DP mean takes away.
+        self.aux_mean = moe.aux_loss_coef / (built.pcfg.microbatches * built.pcfg.dp)
+        cp = built.mesh.get_group("cp") if built.pcfg.cp > 1 else None
+        aux = self.has_moe and moe.aux_loss_coef > 0
+        scale = self.aux_mean * built.grad_factor
+        self.aux = AuxLoss(built.stages, layout, scale, built.device, cp) if aux else None
+        self.biases = ExpertBiases(built.stages, layout) if self.has_moe and moe.bias_update_rate else None
+        # After each step of an MoE model: {"aux_loss": the step's auxiliary loss (global, 0.0 without one),
+        # "tokens_per_expert": {MoE layer FQN: int64 [E]}} over the step and all DP ranks, for the MoE layers this
+        # rank holds; empty for a dense model.
+        self.stats: dict[str, Any] = {}
+
+    def start_step(self) -> None:
+        """Zeroes the counts and the auxiliary loss before a step's microbatches run."""
+        if self.routing is not None:
+            self.routing.reset()
+        if self.aux is not None:
+            self.aux.total.zero_()
+
+    def end_step(self) -> None:
+        """The step's routing counts, summed over the step and DP ranks (one all-reduce), into `stats`."""
+        if self.has_moe:
+            self.stats = {"aux_loss": 0.0, "tokens_per_expert": self.routing.collect()}
+
+    def record_aux(self, aux: torch.Tensor) -> None:
+        """The step's global sum of aux_l terms (reduced with the loss) as the reported auxiliary loss."""
+        self.stats["aux_loss"] = float(aux) * self.aux_mean
+
+    def update_expert_bias(self) -> None:
+        """Every local expert bias moved by the last step's counts (`ExpertBiases.update`); a no-op at rate 0."""
+        if self.biases is not None:
+            self.biases.update(self.stats["tokens_per_expert"], self.rate)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 from operator import attrgetter
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,12 +25,11 @@ from pp_tp.parallel.context_parallel import ContextParallel
 from pp_tp.parallel.mesh import dp_rank, token_groups
 from pp_tp.parallel.rng import StageStream
 from pp_tp.parallel.tensor_parallel import reduce_partial_grads
-from pp_tp.runtime.balancing import AuxLoss, ExpertBiases
+from pp_tp.runtime.balancing import Balancing
 from pp_tp.runtime.built import BuiltStages
 from pp_tp.runtime.evaluate import forward_only, grad_state
 from pp_tp.runtime.grad_reduce import ReducingStage
 from pp_tp.runtime.loss import TokenSumLoss, count_targets, count_tokens
-from pp_tp.runtime.routing_stats import RoutingStats
 from pp_tp.schedules.registry import get_schedule_spec, is_csv_schedule
 
 
@@ -81,25 +79,7 @@ class Pipeline:
         self._cp = ContextParallel(built.mesh) if built.pcfg.cp > 1 else None
         self._shape_key: tuple | None = None
         self.schedule = None
-        self._init_moe(built)
-        # After each step of an MoE model: {"aux_loss": the step's auxiliary loss (global, 0.0 without one),
-        # "tokens_per_expert": {MoE layer FQN: int64 [E]}} over the step and all DP ranks, for the MoE layers this
-        # rank holds; empty for a dense model.
-        self.moe_stats: dict[str, Any] = {}
-
-    def _init_moe(self, built: BuiltStages) -> None:
-        """Routing counts, the auxiliary loss and the expert biases, where the stages hold MoE layers."""
-        layout = built.stages[0].layout if built.stages else None
-        self._routing = RoutingStats(built.stages, layout, built.mesh) if layout is not None else None
-        self._has_moe = layout is not None and bool(layout.experts)
-        moe = built.options.balancing
-        # d(step aux loss)/d(aux_l) per microbatch: coef / (microbatches * dp), times what FSDP's DP mean takes away.
-        self._aux_mean = moe.aux_loss_coef / (built.pcfg.microbatches * built.pcfg.dp)
-        aux = self._has_moe and moe.aux_loss_coef > 0
-        cp = built.mesh.get_group("cp") if built.pcfg.cp > 1 else None
-        scale = self._aux_mean * built.grad_factor
-        self._aux = AuxLoss(built.stages, layout, scale, built.device, cp) if aux else None
-        self._biases = ExpertBiases(built.stages, layout) if self._has_moe and moe.bias_update_rate else None
+        self.balancing = Balancing(built)  # MoE routing counts, auxiliary loss, expert biases
 
     # The contract's attributes (docs/design.md), read through from what the pipeline keeps whole: never copies.
     plan = property(attrgetter("_built.plan"), doc="StagePlan: which FQNs each stage owns, which pp rank runs it.")
@@ -109,6 +89,7 @@ class Pipeline:
     hf_config = property(attrgetter("_built.hf_config"), doc="The model's HF config (else None): its config.json.")
     source_dir = property(attrgetter("options.hf_source_dir"), doc="The HF dir whose generation_config.json stays.")
     checkpoint_casts = property(attrgetter("_built.checkpoint_casts"), doc="Counter: dtype casts of an HF load.")
+    moe_stats = property(attrgetter("balancing.stats"), doc="The last step's MoE aux loss and tokens per expert.")
 
     def _build_schedule(self, microbatch: tuple[int, ...], dtype: torch.dtype) -> None:
         shapes = self._built.shapes(microbatch, dtype)
@@ -257,27 +238,22 @@ class Pipeline:
             ctx.enter_context(self._loss.parallel())  # torch wants the vocab-parallel loss's backward inside it too
             for stage in self.model_parts:  # masks and rotary tables once per step, not once per microbatch
                 ctx.enter_context(stage.reuse_block_inputs())
-            if self._routing is not None:
-                self._routing.reset()
-            if self._aux is not None:
-                self._aux.total.zero_()
+            self.balancing.start_step()
             self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
-        if self._has_moe:
-            self.moe_stats = {"aux_loss": 0.0, "tokens_per_expert": self._routing.collect()}
+        self.balancing.end_step()
         reduce_partial_grads(self.model_parts)  # once per step, after the last microbatch
         if self._built.tied is not None:
             self._built.tied.sync(self.model_parts)
-        if self._aux is None:
+        if self.balancing.aux is None:
             return self.global_loss(losses, self._built.grad_factor)
-        loss, aux = self.global_loss(losses, self._built.grad_factor, self._aux.total)
-        self.moe_stats["aux_loss"] = float(aux) * self._aux_mean
+        loss, aux = self.global_loss(losses, self._built.grad_factor, self.balancing.aux.total)
+        self.balancing.record_aux(aux)
         return loss
 
     def update_expert_bias(self) -> None:
         """Moves every local MoE layer's expert bias by moe.bias_update_rate * sign(mean_e(c) - c_e), c = the last
         step's tokens per expert (global); call it after `optimizer.step()`. No communication; a no-op at rate 0."""
-        if self._biases is not None:
-            self._biases.update(self.moe_stats["tokens_per_expert"], self.options.balancing.bias_update_rate)
+        self.balancing.update_expert_bias()
 
     def save_pretrained(self, path: str, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None) -> None:
         """Writes the whole model to `path` in HF format (a collective; each pp rank writes its stages' files)."""

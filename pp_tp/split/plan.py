@@ -133,7 +133,7 @@ def _layer_counts(pcfg: ParallelConfig, d: ModelDims, seq_len: int) -> list[int]
 
 def _explicit(pcfg: ParallelConfig, layout: ModelLayout, keys: list[str]) -> list[tuple[bool, list[str], bool]]:
     """Checks an explicit FQN list per stage: known names, in model order, each exactly once."""
-    first, last = list(layout.first_fqns), list(layout.last_fqns)
+    first, last = list(layout.first.modules), list(layout.last.modules)
     order = first + [f"{layout.blocks}.{k}" for k in keys] + last
     lists = pcfg.stage_fqns  # one non-empty list per stage (config.validate)
     flat = [f for stage in lists for f in stage]
@@ -170,8 +170,8 @@ def plan_stages(model: nn.Module, layout: ModelLayout, pcfg: ParallelConfig, seq
     owners = stage_owner(pcfg.pp, pcfg.stages_per_rank, pcfg.schedule)
     stages = []
     for i, (embed, blocks, head) in enumerate(parts):
-        fqns = (list(layout.first_fqns) if embed else []) + [f"{layout.blocks}.{b}" for b in blocks]
-        fqns += list(layout.last_fqns) if head else []
+        fqns = (list(layout.first.modules) if embed else []) + [f"{layout.blocks}.{b}" for b in blocks]
+        fqns += list(layout.last.modules) if head else []
         flops = (cost.embed_flops(d) if embed else 0.0) + len(blocks) * cost.block_flops(d, seq_len)
         flops += cost.head_flops(d) if head else 0.0
         seen: set[int] = set()

@@ -74,8 +74,7 @@ class StageModule(nn.Module):
         super().__init__()
         self.layout = layout
         self.spec = spec
-        edges = (layout.after_embed_modules if spec.embed else ()) + (layout.before_norm_modules if spec.head else ())
-        for fqn in spec.fqns + list(edges) + list(layout.shared):
+        for fqn in spec.fqns + list(layout.shared):
             _attach(self, model, fqn)
         aliases = canonical_names(model) if aliases is None else aliases
         # Each local parameter name -> the model's canonical key for its value (seeded init, checkpoints).
@@ -130,14 +129,8 @@ class StageModule(nn.Module):
         lay = self.layout
         ids = x if input_ids is None and self.is_first else input_ids
         h = x
-        if self.is_first and lay.embed_call is not None:
-            h = lay.embed_call(self, x, position_ids)
-        elif self.is_first:
-            for fqn in lay.first_fqns:
-                h = self.get_submodule(fqn)(h)
-            h = lay.after_embed(h) if lay.after_embed is not None else h
-            for name in lay.after_embed_modules:
-                h = self.get_submodule(name)(h)
+        if self.is_first:
+            h = lay.first.call(self, x, position_ids)
         if self.spec.blocks:
             extras = self._block_inputs(h) if position_ids is None else lay.document_block_inputs(self, h, position_ids)
             if lay.block_ids:
@@ -147,12 +140,7 @@ class StageModule(nn.Module):
             for block in self.block_modules():
                 h = lay.call_block(block, h, extras)
         if self.is_last:
-            h = lay.before_norm(h) if lay.before_norm is not None else h
-            for name in lay.before_norm_modules:
-                h = self.get_submodule(name)(h)
-            for fqn in lay.last_fqns:
-                h = self.get_submodule(fqn)(h)
-            h = lay.after_head(h) if lay.after_head is not None else h
+            h = lay.last.call(self, h, position_ids)
         if isinstance(h, AsyncCollectiveTensor):  # a TP all-reduce/all-gather still in flight: finish it here
             h = wait_tensor(h)
         h = h.contiguous()  # p2p sends need it; a permuted field (channel norms, [B, C, H, W]) may not be

@@ -138,6 +138,7 @@ class Trainer:
             loss_fn=t.loss or None,  # a model that is not an LM: its own loss, e.g. "mse"
             rng_seed=t.seed,  # dropout streams per (stage, dp rank), per TP rank in sharded regions
             moe=self.cfg.moe,  # MoE load balancing: auxiliary loss, expert-bias update
+            document_mask=self.cfg.data.document_mask,  # packed documents: refused at the build where not maskable
         )  # fmt: skip
         self.loader = Prefetcher(self.source.loader(dp_rank(self.mesh), dp_size(self.mesh)), self.cfg.data.prefetch)
         self.optimizers, self.schedulers = build_optimizers(self.pipe.model_parts, t)

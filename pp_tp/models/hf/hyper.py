@@ -74,7 +74,8 @@ def collapse_modules(config, weighted: list[str]) -> tuple[str, ...]:
 
 
 def stream_calls(config, call: Callable[..., torch.Tensor]) -> dict[str, Any]:
-    """The layout's `call_block` and `before_norm` for the stream: the flat form's view steps, else `call` as is."""
+    """The layout's `call_block`, and the last edge's step before the norm, for the stream: the flat form's view
+    steps, else `call` as is."""
     if flat(config):
         return dict(call_block=flat_call(call, streams(config)), before_norm=flatten)
     return dict(call_block=call, before_norm=None)

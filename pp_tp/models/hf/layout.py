@@ -23,7 +23,7 @@ from typing import Any
 from torch import nn
 
 from pp_tp.errors import ConfigError
-from pp_tp.layout import ModelDims, ModelLayout
+from pp_tp.layout import Edge, ModelDims, ModelLayout, in_order
 from pp_tp.models.hf import hyper, per_layer_inputs
 from pp_tp.models.hf.block_context import BlockContext, block_ids, layer_types_of
 from pp_tp.models.hf.buffers import init_buffers
@@ -188,7 +188,7 @@ def compose(model: nn.Module) -> ModelLayout:
     pp_plan = _pp_plan(model)
     prefix = pp_plan.base
     base = model.get_submodule(prefix)
-    embed_key, blocks_key, norm_key = pp_plan.embed, pp_plan.blocks, pp_plan.norm
+    embed_key, blocks_key = pp_plan.embed, pp_plan.blocks
     if base.get_submodule(embed_key) is not model.get_input_embeddings():
         raise _refuse(model, f"{prefix}.{embed_key} is not get_input_embeddings(); register a layout for it")
     head = _module_name(model, model.get_output_embeddings(), "output embedding")
@@ -216,26 +216,20 @@ def compose(model: nn.Module) -> ModelLayout:
         HF,
         specialize=None,
         dims=_dims,
-        embed=f"{prefix}.{embed_key}",
         blocks=f"{prefix}.{blocks_key}",
-        norm=f"{prefix}.{norm_key}" if norm_key else "",  # "": no final norm (an identity one)
-        head=head,
         shared=tuple(f"{prefix}.{name}" for name in extra),
         block_inputs=ctx.inputs,
         # Positions from the ids' shape, biases from the batch's shape: packed documents' positions reach neither.
         document_block_inputs=None if pp_plan.positions_from_ids or pp_plan.computed else ctx.document_inputs,
-        **_stream_steps(pp_plan, model.config, ple, pre, skipping(ctx.call, blocks, skipped)),
+        **_stream_steps(
+            pp_plan, model, ple, (pre, tuple(ple_held), collapse), head, skipping(ctx.call, blocks, skipped)
+        ),
         tp_plan=tp_plan,
         tp_refusal=tp_refusal,
         experts_spec=experts_spec(model, blocks_key, blocks),
         attention=attention,
-        after_embed=after_embed(model.config),
-        after_head=after_head(model.config),
         block_ids=block_ids(model, f"{prefix}.{blocks_key}", blocks, found),
         static_block_inputs=True,  # masks and rotary tables from the microbatch's shape only (no padding mask)
-        after_embed_modules=tuple(f"{prefix}.{name}" for name in (*pp_plan.after_embed, *pre, *ple_held)),
-        before_norm_modules=tuple(f"{prefix}.{name}" for name in (*pp_plan.before_norm, *collapse)),
-        before_head=before_head(model),
     )
 
 
@@ -278,20 +272,37 @@ def _outside_plan(model: nn.Module, pp_plan: PpPlan) -> tuple[list[str], tuple[s
 
 
 def _stream_steps(
-    pp_plan: PpPlan, config: Any, ple: PerLayerInputs | None, pre: tuple[str, ...], call: Any
+    pp_plan: PpPlan,
+    model: nn.Module,
+    ple: PerLayerInputs | None,
+    outside: tuple[tuple[str, ...], ...],
+    head: str,
+    call: Any,
 ) -> dict[str, Any]:
-    """How the stream is made, handed from layer to layer and ended: the first stage's own path where the forward adds
-    more than the embedding (learned positions: EmbedCall; per-layer inputs packed beside the hidden state, which each
-    layer reads its slice of and the last stage drops before its norm); `call` (the block context's, passing skipped
-    layers by) otherwise; `pre`: the parameterless modules the forward runs before the first layer."""
+    """The two edges and `call_block`: how the stream is made, handed from layer to layer and ended. The first stage
+    runs the embedding, the config's transform after it and the parameterless modules the forward runs before the
+    first layer (`outside`: those, the modules computing per-layer inputs, the stream's collapse), or its own path
+    where the forward adds more than the embedding (learned positions: EmbedCall; per-layer inputs packed beside the
+    hidden state, which each layer reads its slice of and the last stage drops before its norm); `call` (the block
+    context's, passing skipped layers by) hands the stream on; the last stage runs the stream's end (hyper streams'
+    collapse), the norm ("" in the plan: none), the modules between it and the head, the head, and the config's
+    logit transform."""
+    base, config = pp_plan.base, model.config
+    pre, ple_held, collapse = outside
+    run = tuple(f"{base}.{n}" for n in (*pp_plan.after_embed, *pre))
+    first = (f"{base}.{pp_plan.embed}", *run, *(f"{base}.{n}" for n in ple_held))
+    after = after_embed(config)
+    norm = f"{base}.{pp_plan.norm}" if pp_plan.norm else ""
+    ends = (*(f"{base}.{n}" for n in (*pp_plan.before_norm, *collapse)), norm, *before_head(model), head)
     if ple is not None:
-        run = (*pp_plan.after_embed, *pre)
-        embed = ple.embed_call(
-            f"{pp_plan.base}.{pp_plan.embed}", after_embed(config), tuple(f"{pp_plan.base}.{n}" for n in run)
-        )
-        return dict(embed_call=embed, call_block=ple.call(call), before_norm=ple.drop)
-    embed = EmbedCall(pp_plan, after_embed(config)) if pp_plan.adds_positions else None
-    return dict(embed_call=embed, **hyper.stream_calls(config, call))  # flat hyper streams: hyper.py
+        embed = Edge(first, ple.embed_call(first[0], after, run))
+        return dict(first=embed, call_block=ple.call(call), last=in_order(ple.drop, *ends, after_head(config)))
+    steps = hyper.stream_calls(config, call)
+    last = in_order(steps["before_norm"], *ends, after_head(config))
+    embed = (
+        Edge(first, EmbedCall(pp_plan, after)) if pp_plan.adds_positions else in_order(*first[:1], after, *first[1:])
+    )
+    return dict(first=embed, call_block=steps["call_block"], last=last)
 
 
 def _takes_var_keywords(block: nn.Module) -> bool:
@@ -357,10 +368,9 @@ HF = ModelLayout(
     name="hf",
     matches=is_hf_model,
     dims=_unspecialized,
-    embed="",
+    first=in_order(),
     blocks="",
-    norm="",
-    head="",
+    last=in_order(),
     shared=(),
     block_inputs=_unspecialized,
     call_block=_unspecialized,

@@ -336,7 +336,7 @@ def _materialized_stage(
         meta = cls(small)
     layout = compose(meta)
     keys = layout.block_keys(meta)
-    fqns = [layout.embed] + [f"{layout.blocks}.{k}" for k in keys] + list(layout.last_fqns)
+    fqns = [*layout.first.modules, *(f"{layout.blocks}.{k}" for k in keys), *layout.last.modules]
     stage = StageModule(meta, layout, StageSpec(0, 0, True, keys, True, fqns))
     values = {k: v.detach().clone() for k, v in reference.state_dict().items()}
     materialize(stage, meta, torch.device("cpu"), values=values)

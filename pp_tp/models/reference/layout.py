@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from pp_tp.config.schema import ModelShape
-from pp_tp.layout import ExpertsSpec, ModelDims, ModelLayout
+from pp_tp.layout import ExpertsSpec, ModelDims, ModelLayout, in_order
 from pp_tp.models.reference.model import Transformer, document_mask, param_init_std, rope_cache
 from pp_tp.models.reference.moe import init_expert_bias
 from pp_tp.parallel.tensor_parallel import rules_present
@@ -89,10 +89,9 @@ REFERENCE = ModelLayout(
     name="reference",
     matches=lambda m: isinstance(m, Transformer),
     dims=_dims,
-    embed="tok_embeddings",
+    first=in_order("tok_embeddings"),
     blocks="layers",
-    norm="norm",
-    head="output",
+    last=in_order("norm", "output"),
     shared=("rope",),
     block_inputs=lambda stage, h: (stage.rope,),
     call_block=lambda block, h, extras: block(h, *extras),

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from pp_tp.errors import ConfigError
-from pp_tp.layout import ExpertsSpec, ModelDims, ModelLayout
+from pp_tp.layout import ExpertsSpec, ModelDims, ModelLayout, in_order
 
 _STEP_KWARGS = "_pp_tp_step_kwargs"
 
@@ -146,10 +146,9 @@ def _layout(name: str, fused: bool) -> ModelLayout:
         name=name,
         matches=lambda m: is_torchtitan_decoder(m) and not _has_moe(m) and _fused(m) == fused,
         dims=_dims,
-        embed="tok_embeddings",
+        first=in_order("tok_embeddings"),
         blocks="layers",
-        norm="norm",
-        head="lm_head",
+        last=in_order("norm", "lm_head"),
         shared=(),
         block_inputs=_block_inputs,
         call_block=lambda block, h, extras: block(h, *extras),

@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.pipelining import ScheduleGPipe
 
 from pp_tp.extend import DataSource, ModelKind
-from pp_tp.layout import ModelDims, ModelLayout
+from pp_tp.layout import ModelDims, ModelLayout, in_order
 from pp_tp.schedules.registry import ScheduleSpec
 
 
@@ -54,10 +54,9 @@ LAYOUT = ModelLayout(
         max_seq_len=1024,
         tied=False,
     ),
-    embed="emb",
+    first=in_order("emb"),
     blocks="trunk",
-    norm="ln_f",
-    head="head",
+    last=in_order("ln_f", "head"),
     shared=(),
     block_inputs=lambda stage, h: (),
     call_block=lambda block, h, extras: block(h),
