@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from pp_tp.cli.parity import format_table
 
 CONFIG = """
@@ -51,9 +53,17 @@ def test_parity_command_passes_and_prints_a_row_per_step(tmp_path):
         assert max(pipe) < 1e-5 and float(r[8]) <= 1.0, out.stdout
 
 
-def test_parity_command_refuses_a_bad_world_before_spawning(tmp_path):
-    out = _run(tmp_path, "--nproc", "3")
-    assert out.returncode == 2 and out.stderr.startswith("error: ") and "Traceback" not in out.stderr
+def test_parity_command_refuses_a_bad_world_before_spawning(tmp_path, monkeypatch, capsys):
+    """In process (the entry point itself runs above): exit 2, one `error:` line, and no rank spawned."""
+    from pp_tp.cli import launch
+    from pp_tp.cli.main import main
+
+    path = tmp_path / "job.toml"
+    path.write_text(CONFIG)
+    monkeypatch.setattr(launch, "run_under_torchrun", lambda *a, **k: pytest.fail("ranks were spawned"))
+    assert main(["parity", "--config", str(path), "--nproc", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err
 
 
 def test_parity_table_marks_failures():

@@ -3,10 +3,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 from torch import nn
@@ -158,30 +154,34 @@ def test_405b_like_job_on_1024_ranks(tmp_path):
     assert middle.act_peak_bytes > 0 and planned.schedules[0].bubble_theory == pytest.approx(15 / 64)
 
 
-def run_plan(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
-    return subprocess.run(
-        [sys.executable, "-m", "pp_tp.cli", "plan", *args], capture_output=True, text=True, env=env, timeout=300
-    )
+def run_plan(capsys, monkeypatch, *args: str) -> tuple[int, str, str]:
+    """`pp-tp plan` in process: `python -m pp_tp.cli` itself is run as a user runs it in test_cli_check."""
+    from pp_tp.cli.main import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    code = main(["plan", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
-def test_cli_prints_stages_mesh_memory_and_schedules(tmp_path):
+def test_cli_prints_stages_mesh_memory_and_schedules(tmp_path, capsys, monkeypatch):
     path = tmp_path / "job.toml"
     path.write_text(TINY.format(tp=2, mp="bf16", ac="none"))
-    result = run_plan("--config", str(path), "--world-size", "8", "parallel.schedule=GPipe")
-    assert result.returncode == 0, result.stderr
-    out = result.stdout
+    code, out, err = run_plan(
+        capsys, monkeypatch, "--config", str(path), "--world-size", "8", "parallel.schedule=GPipe"
+    )
+    assert code == 0, err
     assert "mesh pp=2 x dp_replicate=1 x dp_shard=2 x tp=2" in out
     assert "cost (GFLOP/token)" in out and "optimizer" in out and "act peak" in out
-    assert "GPipe *" in out and "Traceback" not in result.stderr
+    assert "GPipe *" in out and "Traceback" not in err
 
 
-def test_cli_bad_world_size_is_one_error_line(tmp_path):
+def test_cli_bad_world_size_is_one_error_line(tmp_path, capsys, monkeypatch):
     path = tmp_path / "job.toml"
     path.write_text(TINY.format(tp=2, mp="bf16", ac="none"))
-    result = run_plan("--config", str(path), "--world-size", "6")
-    assert result.returncode == 2 and result.stdout == ""
-    lines = result.stderr.splitlines()
+    code, out, err = run_plan(capsys, monkeypatch, "--config", str(path), "--world-size", "6")
+    assert code == 2 and out == ""
+    lines = err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: parallel.dp_shard = -1 cannot fill world size 6")
 
 

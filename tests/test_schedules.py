@@ -27,6 +27,8 @@ from pp_tp.schedules.registry import (
 )
 
 ARGS8 = replace(pu.TINY, n_layers=8)
+# Eight blocks where pp x stages_per_rank > 2 (one or two per stage); four (two per stage) for one stage a rank at pp2.
+ARGS4 = pu.TINY
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 MULTI = {"Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"}
 # (pp, tp, dp_shard): every layout of at most 8 ranks, as (the full one, the pp4 ones, the small pp2 ones)
@@ -112,7 +114,8 @@ def _pcfg(pp: int, tp: int, dp: int, schedule: str):
 
 def matrix_case(pp: int, tp: int, dp: int, schedule: str) -> dict:
     pcfg = _pcfg(pp, tp, dp, schedule)
-    return pu.compare(pcfg, ARGS8, steps=2, batch_size=dp * pcfg.microbatches * 2, seq=12)
+    args = ARGS8 if pp * pcfg.stages_per_rank > 2 else ARGS4
+    return pu.compare(pcfg, args, steps=2, batch_size=dp * pcfg.microbatches * 2, seq=12)
 
 
 # The schedules run on the 8-rank FULL layout: one of each kind (single-stage, interleaved with split backward, split
@@ -139,7 +142,7 @@ def test_parity_matrix(world, layout, schedule):
 
 def csv_case(path: str, dp: int) -> dict:
     pcfg = pu.pcfg_of(pp=2, dp_shard=dp, schedule=path, microbatches=2)
-    return pu.compare(pcfg, ARGS8, steps=3, batch_size=4 * dp, seq=12)
+    return pu.compare(pcfg, ARGS4, steps=3, batch_size=4 * dp, seq=12)
 
 
 @pytest.mark.parametrize("dp", [1, 2])
@@ -155,13 +158,13 @@ def test_csv_schedule_parity(world, tmp_path, dp):
 def runner_contract_case() -> dict:
     """Global loss on every rank; a new batch shape re-plans; a bad batch fails before any collective."""
     pcfg = pu.pcfg_of(pp=2, schedule="1F1B", microbatches=2)
-    state = pu.reference_state(ARGS8)
-    model = pu.make_model(ARGS8, device="meta")
+    state = pu.reference_state(ARGS4)
+    model = pu.make_model(ARGS4, device="meta")
     pipe = pu.pp_tp.build_pipeline(model, pu.mesh_for(pcfg), pcfg, state_dict=state)
     out = {}
     for name, (n, seq) in {"first": (4, 12), "new_shape": (2, 8)}.items():
-        ids, labels = pu.batch(ARGS8, n, seq)
-        ref = pu.reference_run(state, ids, labels, ARGS8)["losses"][0]
+        ids, labels = pu.batch(ARGS4, n, seq)
+        ref = pu.reference_run(state, ids, labels, ARGS4)["losses"][0]
         for part in pipe.model_parts:
             part.zero_grad()
         out[name] = (pipe.step(ids, labels).item(), ref)
@@ -182,11 +185,11 @@ def test_runner_contract(world):
 def all_padding_on_one_rank_case() -> dict:
     """One DP rank's labels are almost all ignored: the global token mean must still be exact."""
     pcfg = pu.pcfg_of(pp=2, dp_shard=2, schedule="1F1B", microbatches=2)
-    state = pu.reference_state(ARGS8)
-    ids, labels = pu.batch(ARGS8, 8, 12)
+    state = pu.reference_state(ARGS4)
+    ids, labels = pu.batch(ARGS4, 8, 12)
     labels[:4, 1:] = -100  # DP rank 0's half keeps one token per row
-    ref = pu.reference_run(state, ids, labels, ARGS8, steps=2)
-    got = pu.run_pipeline(pcfg, state, ids, labels, ARGS8, steps=2)
+    ref = pu.reference_run(state, ids, labels, ARGS4, steps=2)
+    got = pu.run_pipeline(pcfg, state, ids, labels, ARGS4, steps=2)
     grad_err = max(pu.rel_err(g, ref["grads"][k]) for k, g in got["grads"].items())
     return {"losses": (got["losses"], ref["losses"]), "grad_err": grad_err}
 
