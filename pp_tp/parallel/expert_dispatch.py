@@ -1,14 +1,14 @@
 """Dropless token dispatch for one experts module: its own forward runs on this rank's experts only.
 
-Per call (one MoE layer, one microbatch): the routing slots (token, k) are sorted by expert; with expert
-parallel one all-gather of the per-expert counts over "ep" (E int64) gives every rank the split sizes, read to the
-host in one read (the only host sync of the call: the all-to-all needs them as ints), one all-to-all sends each slot's token to the rank holding its expert and a second brings the expert outputs back
-(their backward is the two reverse all-to-alls, so the router's and the tokens' gradients are exact). The
-routing weights are applied after the return, so they never cross the network and their gradient is computed
-where the router is. Under TP of experts the tokens are already the same on every TP rank: the experts hold a
-feature shard, their outputs are all-reduced once per call (slot-level, before the weighting, so the router
-gradient is whole on every TP rank) and their input gradient once (Megatron's g and f). No capacity factor, no
-dropped token: the result is the plain model's up to summation order.
+Per call (one MoE layer, one microbatch): the routing slots (token, k) are sorted by expert; with expert parallel
+one all-gather of the per-expert counts over "ep" (E int64) gives every rank the split sizes, read to the host in
+one read (the call's only host sync: the all-to-all takes them as ints), one all-to-all sends each slot's token to
+the rank holding its expert and a second brings the expert outputs back (their backward is the two reverse all-to-
+alls, so the router's and the tokens' gradients are exact). The routing weights are applied after the return, so
+they never cross the network and their gradient is computed where the router is. Under TP of experts the tokens are
+already the same on every TP rank: the experts hold a feature shard, their outputs are all-reduced once per call
+(slot-level, before the weighting, so the router gradient is whole on every TP rank) and their input gradient once
+(Megatron's g and f). No capacity factor, no dropped token: the result is the plain model's up to summation order.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from pp_tp.base._torch import all_to_all_single_autograd, swap_parameters, wait_tensor
-
 
 # Where a call's slots (sorted by expert) go: (dispatch, slots, flat routing, its sort order) -> (the slots this
 # rank's experts get, their local expert ids, send and receive split sizes). `ExpertDispatch.route` reads them off the

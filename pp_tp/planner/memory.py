@@ -117,11 +117,8 @@ def stage_cost(
     local = sum(_local_numel(p) for p in stage.parameters())
     blocks = [sum(tp_local_numel(p) for p in b.parameters()) for b in stage.block_modules()]
     tp_local = sum(tp_local_numel(p) for p in stage.parameters())
-    with (
-        fake,
-        balanced_routing(),
-        warnings.catch_warnings(),
-    ):  # one mode for all stages: shared modules (rotary tables) stay in it
+    # one mode for all stages: shared modules (rotary tables) stay in it
+    with fake, balanced_routing(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # the output view is never modified
         acts, recompute = stage_activation_bytes(stage, mesh, pcfg, microbatch, seq, dims.dim)
     buffers, transient = boundary_extras(stage.is_first, stage.is_last, pcfg, microbatch, seq, dims)
