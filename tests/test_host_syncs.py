@@ -1,44 +1,37 @@
 """Host syncs per `Pipeline.step` (pp_tp/diagnostics/host_syncs.py: item, bool, int, float, tolist, numpy and the
 ops whose output size needs values): none in a dense step at pp2 x tp2, and under expert parallel one read per MoE
-layer and microbatch, the all-to-all's split sizes (pp2 x ep2, 8 layers all MoE: 4 per rank, 4 microbatches)."""
+layer and microbatch, the all-to-all's split sizes (pp2 x ep2, 8 layers all MoE: 4 per rank, 4 microbatches).
+The cases are bench/host_syncs.py's, which prints the same counts."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+import os
+import sys
 
-import parity_utils as pu
+import torch
 
-import pp_tp
-from pp_tp.diagnostics.host_syncs import HostSyncs
-from pp_tp.parallel.mesh import dp_rank
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 
-MOE = replace(pu.TINY, n_layers=8, n_experts=4, top_k=2, moe_ffn_dim=16, moe_every=1)
+from host_syncs import LAYOUTS, syncs_case  # noqa: E402  (bench/host_syncs.py)
+
+from pp_tp.diagnostics.host_syncs import HostSyncs  # noqa: E402
 
 
-def _syncs_case(args, **kw) -> dict:
-    """The host syncs of the second step (the first builds the schedule) on this rank, by caller."""
-    pcfg = pu.pcfg_of(**kw)
-    mesh = pu.mesh_for(pcfg)
-    pipe = pp_tp.build_pipeline(pu.make_model(args, device="meta"), mesh, pcfg)
-    ids, labels = pu.batch(args, 8, 8)
-    rows = 8 // pcfg.dp
-    share = slice(dp_rank(mesh) * rows, (dp_rank(mesh) + 1) * rows)
-    pipe.step(ids[share], labels[share])
+def test_the_counter_sees_reads_that_bypass_dispatch():
+    x = torch.arange(6.0)
     with HostSyncs() as syncs:
-        loss = pipe.step(ids[share], labels[share])
-    layers = sum(1 for part in pipe.model_parts for n, _ in part.named_modules() if n.endswith("feed_forward.experts"))
-    return {
-        "syncs": dict(syncs.where),
-        "count": syncs.count,
-        "loss": float(loss),
-        "moe_calls": layers * pcfg.microbatches,
-    }
+        x.tolist(), x.numpy(), float(x[0]), bool(x[1]), x[x > 2], torch.bincount(x.long())
+        torch.repeat_interleave(x, x.long(), output_size=15)  # sized by the caller: no read
+    assert syncs.count == 6 and "tolist" in str(syncs.where), syncs.where
+    assert torch.Tensor.tolist is torch._C.TensorBase.tolist  # unpatched after
 
 
 def test_no_host_sync_in_a_dense_step_and_one_per_moe_layer_and_microbatch(world):
-    dense = world(4).run(_syncs_case, pu.TINY, pp=2, tp=2, microbatches=2)
-    assert [r["count"] for r in dense] == [0] * 4, [r["syncs"] for r in dense]
+    args, kw = LAYOUTS["dense pp2 x tp2"]
+    dense = world(4).run(syncs_case, args, **kw)
+    assert [r["count"] for r in dense] == [0] * 4, [r["where"] for r in dense]
     assert len({r["loss"] for r in dense}) == 1 and dense[0]["loss"] > 0
-    moe = world(4).run(_syncs_case, MOE, pp=2, dp_shard=2, ep=2, microbatches=4)
-    for r in moe:
-        assert r["moe_calls"] == 16 and r["count"] <= r["moe_calls"], r
+    args, kw = LAYOUTS["MoE pp2 x ep2"]
+    for r in world(4).run(syncs_case, args, **kw):
+        assert r["moe_calls"] == 16 and r["count"] == r["moe_calls"], r
+        assert set(r["where"]) == {next(iter(r["where"]))} and "tolist" in next(iter(r["where"])), r
