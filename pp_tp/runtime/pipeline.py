@@ -41,7 +41,7 @@ def _gather_params_once(schedule: PipelineScheduleRuntime) -> None:
     torch's lowering interleaves UNSHARD/RESHARD per stage as its window of active stages moves, so
     with more than a few stages per rank a unit is all-gathered several times per step. Here every
     local stage is unsharded once before the first action and resharded once after the last one;
-    gradients are still reduce-scattered once per stage by REDUCE_GRAD after its last backward.
+    gradients are still reduce-scattered once per stage, by its last backward (runtime/grad_reduce.py).
     """
     order = schedule.pipeline_order_with_comms
     for rank, actions in order.items():
