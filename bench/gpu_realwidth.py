@@ -10,7 +10,8 @@ next:
 - pp_tp: `build_pipeline` at pp = 1 with two stages on the rank (Interleaved1F1B), `Pipeline.step`;
 - plain FSDP2: the same reference Transformer under `fully_shard` (each block, then the root) with the same
   MixedPrecisionPolicy, each block compiled, gradient accumulation over the same 4 microbatches (reduce on the last);
-- torchtitan's llama3 (its own model code, fused qkv, SDPA causal attention) in the same FSDP2 recipe.
+- torchtitan's llama3 (its own 8B config and model code, fused qkv, cut to 8 layers, SDPA causal attention) in the
+  same FSDP2 recipe (on CPU its debug model: the code path only).
 Each reports tokens/s (median of the timed steps after 2 warm-up steps) and MFU (pp_tp's `flops_per_token` over
 the device's bf16 peak, `pp_tp.train.metrics`), and its peak allocated memory; pp_tp's against the planner's
 per-rank peak (`pp-tp plan` on the same job). Then the attention kernel pp_tp dispatches at cp = 1: the aten SDPA
@@ -129,36 +130,15 @@ def _plain_model(shape: dict, device: str) -> tuple[torch.nn.Module, list]:
 
 
 def _titan_model(shape: dict, device: str) -> tuple[torch.nn.Module, list]:
-    """torchtitan's llama3 at the shape (its _8b recipe with fewer layers), SDPA causal attention."""
+    """torchtitan's own llama3 config (its 8B on CUDA, its debug model on CPU) cut to the shape's layer count, with
+    SDPA causal attention (its flex default needs block masks its trainer builds)."""
     from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.llama3 import (
-        ComplexRoPE,
-        Embedding,
-        Linear,
-        Llama3Model,
-        RMSNorm,
-        _build_llama3_layers,
-        _output_linear_init,
-    )  # fmt: skip
+    from torchtitan.models.llama3 import _8b, _debugmodel
 
-    dim, vocab, heads = shape["dim"], shape["vocab_size"], shape["n_heads"]
-    layers = _build_llama3_layers(
-        fuse_qkv=True, n_layers=shape["n_layers"], dim=dim, n_heads=heads, n_kv_heads=shape["n_kv_heads"],
-        hidden_dim=shape["ffn_dim"], attn_backend="flex",
-        rope=ComplexRoPE.Config(dim=dim // heads, max_seq_len=shape["seq"], theta=500000, scaling="llama"),
-    )  # fmt: skip
-    for layer in layers:
+    config = _8b("flex") if device == "cuda" else _debugmodel("flex")
+    config.layers = config.layers[: shape["n_layers"]]
+    for layer in config.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    config = Llama3Model.Config(
-        dim=dim,
-        vocab_size=vocab,
-        tok_embeddings=Embedding.Config(
-            num_embeddings=vocab, embedding_dim=dim, param_init={"weight": torch.nn.init.normal_}
-        ),
-        norm=RMSNorm.Config(normalized_shape=dim, param_init={"weight": torch.nn.init.ones_}),
-        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=_output_linear_init(dim)),
-        layers=layers,
-    )
     with torch.device("meta"):
         model = config.build()
     model.to_empty(device=device)
