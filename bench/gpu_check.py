@@ -15,8 +15,10 @@ Sections:
   against the math kernel and time.
 - float8: torchao's Float8Linear (pp_tp.parallel.float8's conversion) against bf16 Linear layers: error and the
   speed ratio of a large MLP; then the trainer with parallel.float8 = true, its losses against bf16's.
-- grouped_mm: the reference MoE's experts through F.grouped_mm against the per-expert loop (pp_tp uses the loop
-  off CPU): bit equality, error, speed ratio.
+- grouped_mm: the reference MoE's experts through F.grouped_mm against the per-expert loop (pp_tp takes grouped_mm
+  on CPU and CUDA where it fits): bit equality, error, speed ratio.
+- real_width: a Llama-3-8B-wide model, 8 layers, seq 8192, compiled: pp_tp against plain FSDP2 and torchtitan's
+  llama3, tokens/s, MFU, peak memory against the planner, the attention kernel at cp = 1 (bench/gpu_realwidth.py).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import time
 import traceback
 from collections.abc import Callable
 
+import gpu_realwidth
 import torch
 import torch.nn.functional as F
 
@@ -231,8 +234,13 @@ def section_sdpa(device: str, size: dict, folder: str) -> None:
 
 
 def section_float8(device: str, size: dict, folder: str) -> None:
+    import importlib.util
+
     from torch import nn
 
+    if importlib.util.find_spec("torchao") is None:
+        say("float8", "skipped: torchao is not installed (pip install torchao)")
+        return
     from pp_tp.config import ParallelConfig
     from pp_tp.parallel.float8 import check_float8
 
@@ -287,11 +295,18 @@ def section_grouped_mm(device: str, size: dict, folder: str) -> None:
             out.backward(up)
             return [out.detach(), xx.grad, e.gate_up_proj.grad, e.down_proj.grad]
 
-        loop, grouped = run(experts._loop), run(experts._grouped)
+        ends = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)  # the groups' ends, as forward has them
+
+        def grouped_fn(
+            xx: torch.Tensor, _counts: list, e: Experts = experts, ends: torch.Tensor = ends
+        ) -> torch.Tensor:
+            return e._grouped(xx, ends)
+
+        loop, grouped = run(experts._loop), run(grouped_fn)
         reps = 10 if device == "cuda" else 1
         t_loop, t_grouped = (
             timed(lambda e=experts: run(e._loop, e), device, reps),
-            timed(lambda e=experts: run(e._grouped, e), device, reps),
+            timed(lambda e=experts, g=grouped_fn: run(g, e), device, reps),
         )
         same = [torch.equal(a, b) for a, b in zip(loop, grouped)]
         errs = ", ".join(f"{rel(b, a):.1e}" for a, b in zip(loop, grouped))
@@ -302,7 +317,32 @@ def section_grouped_mm(device: str, size: dict, folder: str) -> None:
         )
 
 
-SECTIONS = [section_env, section_trainer, section_stages_vs_plain, section_sdpa, section_float8, section_grouped_mm]
+def _plan_peak(shape: dict, folder: str) -> float | None:
+    """The planner's per-rank peak (GiB) for the check's job at `shape` (`pp-tp plan --json`), None if it fails."""
+    size = {**shape, "steps": 1}
+    plan = subprocess.run(
+        [sys.executable, "-m", "pp_tp.cli", "plan", "--config", job_toml(size, folder), "--world-size", "1", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    return json.loads(plan.stdout.strip().splitlines()[-1])["peak_gib"] if plan.returncode == 0 else None
+
+
+def section_real_width(device: str, size: dict, folder: str) -> None:
+    gpu_realwidth.run(device, say, lambda shape: _plan_peak(shape, folder))
+
+
+SECTIONS = [
+    section_env,
+    section_trainer,
+    section_stages_vs_plain,
+    section_sdpa,
+    section_float8,
+    section_grouped_mm,
+    section_real_width,
+]
 
 
 def init_single_rank(device: str) -> None:

@@ -2,11 +2,16 @@
 
     python bench/op_diff.py                                     # hf 1F1B m=16, issue 16's shape
     python bench/op_diff.py --model ref --schedule Interleaved1F1B --m 8 --dim 256 --rows 16
+    python bench/op_diff.py --against fsdp                      # 1 stage x 1 microbatch, bf16, vs plain FSDP2
 
 One step of each side after warm-up (same builds as bench/pipeline_efficiency.py) runs under a
 TorchDispatchMode that counts each (op, [shape, stride, dtype, data_ptr % 64, requires_grad] per tensor
 argument). Printed per rank: the op totals and every key whose count differs between ours and raw.
 Counts are exact, so a busy machine does not matter.
+
+`--against fsdp` (issue 47): one rank, pp_tp at one stage and one microbatch (`parallel.mixed_precision = "bf16"`)
+against the same model under plain `fully_shard` (each block, then the root) with the same MixedPrecisionPolicy,
+its loss the token mean, one forward + backward each: both op tables by op name, the totals and their ratio.
 """
 
 from __future__ import annotations
@@ -18,9 +23,14 @@ from typing import Any
 import pipeline_efficiency as pe
 import torch
 import torch.distributed as dist
-from common import World
+import torch.nn.functional as F
+from common import World, table
+from raw_pipeline import full_model
+from torch.distributed.fsdp import fully_shard
 
+import pp_tp
 from pp_tp.base._torch import TorchDispatchMode, tree_flatten
+from pp_tp.parallel.fsdp import mixed_precision_policy
 
 
 class OpCounter(TorchDispatchMode):
@@ -54,6 +64,57 @@ def count_ops(variant: tuple, a: argparse.Namespace) -> Counter:
     return counter.counts
 
 
+def _fsdp_steps(a: argparse.Namespace) -> dict:
+    """(pp_tp step, plain FSDP2 step) on one rank, the same model, weights, batch and mixed precision."""
+    ids, labels = pe._batch(a.vocab, a.rows, a.seq)
+    pcfg = pp_tp.ParallelConfig(pp=1, dp_shard=1, schedule="1F1B", microbatches=1, mixed_precision="bf16")
+    pipe = pp_tp.build_pipeline(full_model(a.model, a.dim, a.layers, a.vocab, a.seq), pp_tp.build_mesh(pcfg), pcfg)
+    model = full_model(a.model, a.dim, a.layers, a.vocab, a.seq)
+    mesh = pipe.mesh["dp_shard"]
+    blocks = model.model.layers if a.model == "hf" else model.layers.values()
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mixed_precision_policy(pcfg))
+    fully_shard(model, mesh=mesh, mp_policy=mixed_precision_policy(pcfg))
+
+    def plain() -> None:
+        logits = model(ids)
+        logits = logits.logits if a.model == "hf" else logits
+        F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()).backward()
+
+    return {"pp_tp": (lambda: pipe.step(ids, labels)), "fsdp": plain}, [*pipe.model_parts, model]
+
+
+def count_fsdp(a: argparse.Namespace) -> dict[str, Counter]:
+    """Ops by name of one step of each side, after one warm-up step each."""
+    steps, modules = _fsdp_steps(a)
+    out = {}
+    for name, step in steps.items():
+        step()
+        for m in modules:
+            m.zero_grad(set_to_none=True)
+        with OpCounter() as counter:
+            step()
+        out[name] = Counter()
+        for (op, _), n in counter.counts.items():
+            out[name][op] += n
+    return out
+
+
+def against_fsdp(a: argparse.Namespace) -> None:
+    world = World(1)
+    try:
+        res = world.run(count_fsdp, a)[0]
+    finally:
+        world.close()
+    ours, fsdp = res["pp_tp"], res["fsdp"]
+    rows = [("op", "pp_tp", "fsdp", "diff")]
+    for op in sorted(set(ours) | set(fsdp), key=lambda o: (-abs(ours[o] - fsdp[o]), o)):
+        rows.append((op, ours[op], fsdp[op], ours[op] - fsdp[op]))
+    print(table(rows))
+    total_ours, total_fsdp = sum(ours.values()), sum(fsdp.values())
+    print(f"total: pp_tp {total_ours} ops, plain FSDP2 {total_fsdp} ops, ratio {total_ours / total_fsdp:.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="hf", choices=["ref", "hf"])
@@ -64,7 +125,11 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=384)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--against", default="raw", choices=["raw", "fsdp"])
     a = parser.parse_args()
+    if a.against == "fsdp":
+        against_fsdp(a)
+        return
     world = World(pe.PP)
     try:
         res = {k: world.run(count_ops, (a.model, a.schedule, a.m, k), a) for k in ("ours", "raw")}

@@ -12,9 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-# The planner's shape-only forward, and its tensors told apart (an MoE's per-expert token counts have no values
-# there). Public replacement: torch._subclasses has none yet.
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: F401
+# The planner's shape-only forward. Public replacement: torch._subclasses has none yet.
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401
 
 # An in-flight functional collective and its wait: a TP all-reduce can still be pending when a stage
 # returns, and a stage boundary must carry a finished plain tensor. Public: torch.distributed's

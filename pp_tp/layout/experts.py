@@ -92,4 +92,7 @@ class ExpertsSpec:
             return rows.reshape(self.n_experts, -1, rows.shape[-1]).ne(0).any(-1).sum(1).to(torch.int64)
         if self.grouped:  # rows per expert: a tensor (torchtitan) or a list of ints (JetMoE)
             return torch.as_tensor(args[1], device=args[0].device).detach().to(torch.int64)
-        return torch.bincount(args[1].detach().reshape(-1), minlength=self.n_experts)
+        ids = args[1].detach().reshape(-1)  # bincount would read max(ids) to the host on CUDA
+        return torch.zeros(self.n_experts, dtype=torch.int64, device=ids.device).index_add_(
+            0, ids, torch.ones_like(ids)
+        )

@@ -1,14 +1,14 @@
 """Dropless token dispatch for one experts module: its own forward runs on this rank's experts only.
 
-Per call (one MoE layer, one microbatch): the routing slots (token, k) are sorted by expert; with expert
-parallel one all-gather of the per-expert counts over "ep" (E int64) gives every rank the split sizes, one
-all-to-all sends each slot's token to the rank holding its expert and a second brings the expert outputs back
-(their backward is the two reverse all-to-alls, so the router's and the tokens' gradients are exact). The
-routing weights are applied after the return, so they never cross the network and their gradient is computed
-where the router is. Under TP of experts the tokens are already the same on every TP rank: the experts hold a
-feature shard, their outputs are all-reduced once per call (slot-level, before the weighting, so the router
-gradient is whole on every TP rank) and their input gradient once (Megatron's g and f). No capacity factor, no
-dropped token: the result is the plain model's up to summation order.
+Per call (one MoE layer, one microbatch): the routing slots (token, k) are sorted by expert; with expert parallel
+one all-gather of the per-expert counts over "ep" (E int64) gives every rank the split sizes, read to the host in
+one read (the call's only host sync: the all-to-all takes them as ints), one all-to-all sends each slot's token to
+the rank holding its expert and a second brings the expert outputs back (their backward is the two reverse all-to-
+alls, so the router's and the tokens' gradients are exact). The routing weights are applied after the return, so
+they never cross the network and their gradient is computed where the router is. Under TP of experts the tokens are
+already the same on every TP rank: the experts hold a feature shard, their outputs are all-reduced once per call
+(slot-level, before the weighting, so the router gradient is whole on every TP rank) and their input gradient once
+(Megatron's g and f). No capacity factor, no dropped token: the result is the plain model's up to summation order.
 """
 
 from __future__ import annotations
@@ -23,7 +23,23 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from pp_tp.base._torch import FakeTensor, all_to_all_single_autograd, swap_parameters, wait_tensor
+from pp_tp.base._torch import all_to_all_single_autograd, swap_parameters, wait_tensor
+
+# Where a call's slots (sorted by expert) go: (dispatch, slots, flat routing, its sort order) -> (the slots this
+# rank's experts get, their local expert ids, send and receive split sizes). `ExpertDispatch.route` reads them off the
+# routing's values; a run without values (the planner's, on fake tensors) installs its own through `routed_by`.
+Route = Callable[..., tuple]
+_ROUTES: list[Route] = []
+
+
+@contextmanager
+def routed_by(route: Route) -> Iterator[None]:
+    """Every ExpertDispatch call inside routes by `route` instead of the routing's values."""
+    _ROUTES.append(route)
+    try:
+        yield
+    finally:
+        _ROUTES.remove(route)
 
 
 @dataclass
@@ -55,13 +71,7 @@ class ExpertDispatch:
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token = order // k
-        slots = x[token]
-        if isinstance(flat, FakeTensor):  # the planner's shape-only run: routing has no values, assume it balanced
-            slots, ids, send, recv = self._balanced(slots)
-        elif self.ep is None:
-            ids = flat[order]
-        else:
-            slots, ids, send, recv = self._send(slots, torch.bincount(flat, minlength=self.n_experts))
+        slots, ids, send, recv = (_ROUTES[-1] if _ROUTES else ExpertDispatch.route)(self, x[token], flat, order)
         ones = torch.ones(ids.shape[0], 1, dtype=top_k_weights.dtype, device=ids.device)
         with local_parameters(module, 1.0 / self.ep.size() if self.ep is not None else 1.0, self.zeroed) as local:
             out = forward(module, slots, ids.unsqueeze(1), ones)
@@ -74,30 +84,23 @@ class ExpertDispatch:
         combined = torch.zeros(hidden.shape[0], out.shape[-1], dtype=out.dtype, device=out.device)
         return combined.index_add(0, token, out * weights).to(hidden.dtype)
 
-    def _balanced(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
-        """What `_send` returns when every rank's slots spread evenly over the experts (shapes only)."""
-        ep = self.ep.size() if self.ep is not None else 1
-        n = slots.shape[0]
-        splits = [n // ep + (r < n % ep) for r in range(ep)]
-        if self.ep is not None:
-            slots = wait_tensor(all_to_all_single_autograd(slots, splits, splits, self.ep.get_group()))
-        ids = torch.arange(n, device=slots.device) * self.local_experts // max(n, 1)
-        return slots, ids, splits, splits
-
-    def _send(
-        self, slots: torch.Tensor, counts: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
-        """Slots to the ranks holding their experts; returns (received slots, their local expert ids, send and
-        receive split sizes)."""
+    def route(self, slots: torch.Tensor, flat: torch.Tensor, order: torch.Tensor) -> tuple:
+        """The `Route` of the routing's values: without expert parallel the slots stay, with it they go to the ranks
+        holding their experts (split sizes from one all-gather of the per-expert counts, one host read)."""
+        if self.ep is None:
+            return slots, flat[order], None, None
+        counts = torch.zeros(self.n_experts, dtype=torch.int64, device=flat.device)
+        counts.index_add_(0, flat, torch.ones_like(flat))  # bincount would read max(flat) to the host on CUDA
         ep, local = self.ep.size(), self.local_experts
         every = torch.empty(ep * self.n_experts, dtype=counts.dtype, device=counts.device)
         dist.all_gather_into_tensor(every, counts, group=self.ep.get_group())
         every = every.view(ep, self.n_experts)
         mine = every[:, self.ep.get_local_rank() * local :][:, :local]  # [source rank, local expert]
-        send = counts.view(ep, local).sum(1).tolist()
-        recv = mine.sum(1).tolist()
+        sizes = torch.cat([counts.view(ep, local).sum(1), mine.sum(1)]).tolist()  # the call's one host read
+        send, recv = sizes[:ep], sizes[ep:]
         received = wait_tensor(all_to_all_single_autograd(slots, recv, send, self.ep.get_group()))
-        ids = torch.arange(local, device=counts.device).repeat(ep).repeat_interleave(mine.flatten())
+        ids = torch.arange(local, device=counts.device).repeat(ep)
+        ids = ids.repeat_interleave(mine.flatten(), output_size=sum(recv))
         return received, ids, send, recv
 
 

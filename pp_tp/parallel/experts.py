@@ -209,8 +209,9 @@ def _grouped_local(
     `forward_grouped`; the caller (torchtitan's combine, JetMoE's gates) applies the scores."""
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=module.expert_dispatch.local_experts)
-    return forward(module, slots[order], counts.tolist() if as_list else counts)[torch.argsort(order)]
+    counts = torch.zeros(module.expert_dispatch.local_experts, dtype=torch.int64, device=flat.device)
+    counts.index_add_(0, flat, torch.ones_like(flat))  # bincount would read max(flat) to the host on CUDA
+    return forward(module, slots[order], counts.tolist() if as_list else counts)[torch.argsort(order)]  # list: a read
 
 
 def _dense_local(forward: Any, module: nn.Module, slots: torch.Tensor, ids: torch.Tensor, weights: Any) -> Any:

@@ -17,6 +17,7 @@ from pp_tp.config.fsdp_policy import FsdpPolicy, uses_fsdp
 from pp_tp.layout import ModelDims
 from pp_tp.planner.activations import stage_activation_bytes
 from pp_tp.planner.context import held_mask_bytes
+from pp_tp.planner.moe import balanced_routing
 from pp_tp.planner.walk import StageBytes, Walk
 from pp_tp.stages.stage_module import StageModule
 
@@ -116,7 +117,8 @@ def stage_cost(
     local = sum(_local_numel(p) for p in stage.parameters())
     blocks = [sum(tp_local_numel(p) for p in b.parameters()) for b in stage.block_modules()]
     tp_local = sum(tp_local_numel(p) for p in stage.parameters())
-    with fake, warnings.catch_warnings():  # one mode for all stages: shared modules (rotary tables) stay in it
+    # one mode for all stages: shared modules (rotary tables) stay in it
+    with fake, balanced_routing(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # the output view is never modified
         acts, recompute = stage_activation_bytes(stage, mesh, pcfg, microbatch, seq, dims.dim)
     buffers, transient = boundary_extras(stage.is_first, stage.is_last, pcfg, microbatch, seq, dims)

@@ -1,23 +1,55 @@
 """What mixture-of-experts changes in a plan: blocks of one model that differ (DeepSeek-V3's dense first layers
 beside MoE ones), the experts each rank holds, and the expert-parallel all-to-all bytes of a step.
 
-The all-to-all model assumes balanced routing (the dry run's fake forward does too, pp_tp.parallel.expert_dispatch):
+The all-to-all model assumes balanced routing, and so does the dry run's fake forward (`balanced_routing`: fake tensors
+hold no routing to read):
 per MoE layer and microbatch each rank sends top_k copies of its T tokens' hidden states, (ep - 1) / ep of them to
 other ranks, and gets as many expert outputs back; the backward moves the same twice more (4 all-to-alls).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
+from pp_tp.base._torch import all_to_all_single_autograd, wait_tensor
 from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
 from pp_tp.layout import ModelLayout
+from pp_tp.models.reference.moe import counted_by
+from pp_tp.parallel.expert_dispatch import ExpertDispatch, routed_by
 from pp_tp.parallel.experts import experts_modules
 from pp_tp.split.plan import StageSpec
+
+
+def _balanced_route(dispatch: ExpertDispatch, slots: torch.Tensor, flat: torch.Tensor, order: torch.Tensor) -> tuple:
+    """ExpertDispatch's route when every rank's slots spread evenly over the experts (shapes only)."""
+    ep = dispatch.ep.size() if dispatch.ep is not None else 1
+    n = slots.shape[0]
+    splits = [n // ep + (r < n % ep) for r in range(ep)]
+    if dispatch.ep is not None:
+        slots = wait_tensor(all_to_all_single_autograd(slots, splits, splits, dispatch.ep.get_group()))
+    ids = torch.arange(n, device=slots.device) * dispatch.local_experts // max(n, 1)
+    return slots, ids, splits, splits
+
+
+def _balanced_counts(expert: torch.Tensor, n_experts: int) -> list[int]:
+    """The reference experts' slots per expert, spread evenly (every slot counted: the planner sees no foreign id)."""
+    n = expert.numel()
+    return [n // n_experts + (e < n % n_experts) for e in range(n_experts)]
+
+
+@contextlib.contextmanager
+def balanced_routing() -> Iterator[None]:
+    """The dry run's forward on fake tensors, which hold no routing: expert dispatch and the reference experts' loop
+    size everything as if every expert got an equal share of the slots (the balance training aims at)."""
+    with routed_by(_balanced_route), counted_by(_balanced_counts):
+        yield
+
 
 Signature = tuple  # (name, shape) of every parameter of a block: blocks with equal signatures cost the same
 

@@ -33,7 +33,7 @@ from pp_tp.planner.activations import stage_activation_bytes
 from pp_tp.planner.context import held_mask_bytes
 from pp_tp.planner.fake_world import fake_world
 from pp_tp.planner.memory import StageCost, boundary_extras, is_expert, tp_local_numel, tp_local_shape
-from pp_tp.planner.moe import Signature, block_signatures
+from pp_tp.planner.moe import Signature, balanced_routing, block_signatures
 from pp_tp.planner.stage_build import build_stage, checked_job
 from pp_tp.split.plan import StageSpec
 
@@ -137,7 +137,7 @@ class StageCostCache:
                 experts = Counter(_shape(p) for p in stage.parameters() if is_expert(p))
                 blocks = [sum(tp_local_numel(p) for p in b.parameters()) for b in stage.block_modules()]
                 total = sum(tp_local_numel(p) for p in stage.parameters())
-                with fake:
+                with fake, balanced_routing():
                     (act1, re1), (act2, re2) = (
                         stage_activation_bytes(stage, mesh, checked.parallel, mb, seq, dim) for mb in (1, 2)
                     )

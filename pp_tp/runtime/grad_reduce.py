@@ -6,7 +6,9 @@ torch's PipelineStage turns FSDP gradient sync off for every backward and reduce
 microbatch (REDUCE_GRAD); unsharded gradients of the whole stage accumulate until then. Here the k-th,
 2k-th, ... backward runs with sync on, so FSDP's own autograd hooks reduce-scatter each unit as soon as
 its backward is done and free its unsharded gradient (FSDP2 adds the result to the sharded `.grad`);
-the last microbatch stays torch's REDUCE_GRAD. A split backward (zero-bubble: input, then weight) reduces
+the last microbatch's backward does too (with "step", only it: k = m), as plain FSDP2's one backward does, so no
+unit keeps an unsharded copy of its gradients in the reduce dtype, and finalizes the step as torch's REDUCE_GRAD
+would (which then has nothing left to do). A split backward (zero-bubble: input, then weight) reduces
 right after the weight backward. Reduce-scatters per unit per step: ceil(m / k).
 Home-made: torch's PipelineStage has no such option (backward_maybe_with_nosync syncs only at the end).
 """
@@ -32,13 +34,26 @@ class ReducingStage(PipelineStage):
 
     def __init__(self, *args: Any, policy: FsdpPolicy, microbatches: int, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.every, self.microbatches, self.reshard = policy.grad_reduce_every, microbatches, policy.reshards_params
+        every = policy.grad_reduce_every or microbatches  # None ("step"): the last backward only
+        self.every, self.microbatches, self.reshard = every, microbatches, policy.reshards_params
         self.backwards = 0  # "full" or "weight" backwards run in this step
+        self.reduced = False  # the step's last backward reduced and finalized FSDP: REDUCE_GRAD has nothing to do
 
-    def _sync_on(self, submod: FSDPModule) -> None:
-        submod.set_is_last_backward(False)
-        submod.set_reshard_after_backward(self.reshard)
+    def _sync_on(self, submod: FSDPModule, last: bool) -> None:
+        """Sync on for this backward; the step's last one also finalizes, as torch's REDUCE_GRAD would."""
+        submod.set_is_last_backward(last)
+        submod.set_reshard_after_backward(self.reshard or last)
         submod.set_requires_gradient_sync(True)
+        self.reduced = last
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        """torch's REDUCE_GRAD: skipped where the last backward already reduced (a second post-backward pass over
+        every unit would find nothing to reduce)."""
+        if not self.reduced:
+            super().perform_reduce_grad(grad_scale_factor)
+        elif grad_scale_factor != 1:
+            self.scale_grads(grad_scale_factor)
+        self.reduced = False
 
     def backward_maybe_with_nosync(
         self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False
@@ -47,15 +62,16 @@ class ReducingStage(PipelineStage):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         self.backwards += 1
         n = self.backwards
-        if n >= self.microbatches:
-            self.backwards = 0  # torch's REDUCE_GRAD then finds nothing left to reduce, and reshards
+        last = n >= self.microbatches
+        if last:
+            self.backwards = 0
         elif n % self.every:
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         if backward_type == "full":
-            self._sync_on(self.submod)
+            self._sync_on(self.submod, last)
             grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
             return grads, None
         result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-        self._sync_on(self.submod)
+        self._sync_on(self.submod, last)
         fsdp_reduce_grads_now(self.submod)
         return result

@@ -37,7 +37,7 @@ class TokenSumLoss:
     """
 
     def __init__(self, tp_mesh: DeviceMesh | None = None):
-        self.scale = 1.0
+        self.scale: float | torch.Tensor = 1.0
         self.tp_mesh = tp_mesh
 
     def parallel(self) -> contextlib.AbstractContextManager:
@@ -54,15 +54,32 @@ class TokenSumLoss:
             logits = DTensor.from_local(logits, self.tp_mesh, [Shard(-1)], run_check=False)
         logits = at_least_fp32(logits.flatten(0, 1))  # fp32 under bf16, float64 kept
         ce = F.cross_entropy(logits, labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-        return full_tensor(ce) * self.scale
+        return scaled(full_tensor(ce), self.scale)
 
 
-def count_tokens(labels: torch.Tensor, dp_groups: list[dist.ProcessGroup]) -> int:
-    """Non-ignored label tokens in the global batch (all microbatches, all DP and cp ranks: `dp_groups`)."""
+def scaled(loss: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
+    """`loss * scale` as a Python float scale multiplies (the scale rounded to the loss's opmath dtype: float32, or
+    float64 for a float64 loss), also when `scale` is a float64 0-dim tensor on the device: no host read."""
+    if not isinstance(scale, torch.Tensor):
+        return loss * scale
+    opmath = torch.float64 if loss.dtype == torch.float64 else torch.float32
+    out = loss.to(opmath) * scale.to(opmath)
+    return out if out.dtype == loss.dtype else out.to(loss.dtype)
+
+
+def loss_scale(numerator: float, count: torch.Tensor | int) -> torch.Tensor | float:
+    """`numerator / max(count, 1)`, in float64 on the device for a tensor count, as Python divides: the loss scale
+    without a host read."""
+    return numerator / count.clamp(min=1) if isinstance(count, torch.Tensor) else numerator / max(count, 1)
+
+
+def count_tokens(labels: torch.Tensor, dp_groups: list[dist.ProcessGroup]) -> torch.Tensor:
+    """Non-ignored label tokens in the global batch (all microbatches, all DP and cp ranks: `dp_groups`), a float64
+    0-dim tensor on the labels' device: it stays there until someone logs it (no host sync in a step)."""
     n = (labels != IGNORE_INDEX).sum().to(torch.float64).reshape(1)
     for g in dp_groups:
         dist.all_reduce(n, group=g)
-    return int(n.item())
+    return n.reshape(())
 
 
 # Losses by name (TOML `[training] loss`), each with reduction="sum": the pipeline divides by the global normalizer.
@@ -95,7 +112,7 @@ class SumLoss:
         return contextlib.nullcontext()
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self.fn(output, target) * self.scale
+        return scaled(self.fn(output, target), self.scale)
 
 
 def target_count(targets: torch.Tensor, normalizer: str) -> int:
@@ -105,9 +122,12 @@ def target_count(targets: torch.Tensor, normalizer: str) -> int:
     return int((targets != IGNORE_INDEX).sum()) if not targets.is_floating_point() else targets.numel()
 
 
-def count_targets(targets: torch.Tensor, normalizer: str, dp_groups: list[dist.ProcessGroup]) -> int:
-    """The normalizer over the global batch (all microbatches, all DP ranks)."""
-    n = torch.tensor([target_count(targets, normalizer)], dtype=torch.float64, device=targets.device)
+def count_targets(targets: torch.Tensor, normalizer: str, dp_groups: list[dist.ProcessGroup]) -> torch.Tensor:
+    """The normalizer over the global batch (all microbatches, all DP ranks), a float64 0-dim tensor on the device."""
+    if normalizer == "samples" or targets.is_floating_point():  # known from the shape
+        n = torch.full((1,), target_count(targets, normalizer), dtype=torch.float64, device=targets.device)
+    else:
+        n = (targets != IGNORE_INDEX).sum().to(torch.float64).reshape(1)
     for g in dp_groups:
         dist.all_reduce(n, group=g)
-    return int(n.item())
+    return n.reshape(())

@@ -29,7 +29,7 @@ from pp_tp.runtime.balancing import Balancing
 from pp_tp.runtime.built import BuiltStages
 from pp_tp.runtime.evaluate import forward_only, grad_state
 from pp_tp.runtime.grad_reduce import ReducingStage
-from pp_tp.runtime.loss import TokenSumLoss, count_targets, count_tokens
+from pp_tp.runtime.loss import TokenSumLoss, count_targets, count_tokens, loss_scale
 from pp_tp.schedules.registry import get_schedule_spec, is_csv_schedule
 
 
@@ -39,7 +39,7 @@ def _gather_params_once(schedule: PipelineScheduleRuntime) -> None:
     torch's lowering interleaves UNSHARD/RESHARD per stage as its window of active stages moves, so
     with more than a few stages per rank a unit is all-gathered several times per step. Here every
     local stage is unsharded once before the first action and resharded once after the last one;
-    gradients are still reduce-scattered once per stage by REDUCE_GRAD after its last backward.
+    gradients are still reduce-scattered once per stage, by its last backward (runtime/grad_reduce.py).
     """
     order = schedule.pipeline_order_with_comms
     for rank, actions in order.items():
@@ -97,7 +97,8 @@ class Pipeline:
         pstages = []
         m = self.pcfg.microbatches
         fsdp = self._built.fsdp
-        reducing = {} if fsdp.grad_reduce_every is None else dict(policy=fsdp, microbatches=m)
+        # the last backward reduces from FSDP's own hooks, as plain FSDP2 does: no unsharded fp32 copy per parameter
+        reducing = dict(policy=fsdp, microbatches=m) if fsdp.shards else {}
         for stage in self.model_parts:
             inp, out = shapes.stage_io(stage)
             pstages.append(
@@ -143,10 +144,11 @@ class Pipeline:
 
     def prepare_batch(
         self, where: str, inputs: torch.Tensor, targets: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | int]:
         """Checks this DP rank's batch, (re)plans the stages for its microbatch shape, moves it to the device and
         counts the loss's global normalizer (non-ignored tokens, or the caller's loss's count, on the ranks holding
-        the last stage: only they need it); shared by `step` and `evaluate`."""
+        the last stage: only they need it), a float64 tensor on the device (no host read); shared by `step` and
+        `evaluate`."""
         self._check_batch(where, inputs, targets)
         batch, m = inputs.shape[0], self.pcfg.microbatches
         if batch % m:
@@ -230,7 +232,7 @@ class Pipeline:
         inputs, targets, position_ids = self._context_shard("Pipeline.step", inputs, targets, position_ids)
         inputs, targets, n = self.prepare_batch("Pipeline.step", inputs, targets)
         kwargs = self._schedule_kwargs(inputs, position_ids)
-        self._loss.scale = self._built.grad_factor / max(n, 1)
+        self._loss.scale = loss_scale(self._built.grad_factor, n)
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first_stage else ()
         target = targets if self.has_last_stage else None
@@ -271,7 +273,7 @@ class Pipeline:
         kwargs = self._schedule_kwargs(inputs, position_ids)
         before = grad_state(self.model_parts)
         scale = self._loss.scale
-        self._loss.scale = 1.0 / max(n_tokens, 1)  # nothing flows back, so no FSDP mean to undo
+        self._loss.scale = loss_scale(1.0, n_tokens)  # nothing flows back, so no FSDP mean to undo
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first_stage else ()
         # torch re-initializes the stages when a schedule switches between train and eval, and that cleanup

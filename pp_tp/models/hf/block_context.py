@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pp_tp.base._torch import tree_flatten
 from pp_tp.errors import ConfigError
 from pp_tp.models.hf.discover import SUPPLIED, ComputedInputs, same
 from pp_tp.models.hf.handed import Handed
@@ -64,6 +65,7 @@ class BlockContext:
         self.tables = self.all_tables or tuple(sorted(types & set(own) if own else types))
         self.no_rotary: set[str] = set()  # layer types the forward hands no rotary tables (LaraMini's global layers)
         self.position_args: PositionArgs | None = None  # per layer type, from the position ids (Beam's query scale)
+        self.tables_per_row = False  # one row of rotary tables broadcast over the batch, unless the forward builds more
         if found is not None:
             self._adopt(model, found)
 
@@ -82,6 +84,7 @@ class BlockContext:
         candidates = list({id(f): f for f in MAPPING.values() if not isinstance(f, dict)}.values())
         for kind, kwargs in zip(types, found.layers):
             self.block_kwargs |= {k for k in kwargs if k in SUPPLIED}
+            self.tables_per_row |= _batch_rows(kwargs.get("position_embeddings"), found.rows)
             if "position_embeddings" in kwargs and kwargs["position_embeddings"] is None and self.rotary is not None:
                 self.no_rotary.add(kind)
             mask = kwargs.get("attention_mask")
@@ -118,9 +121,9 @@ class BlockContext:
         masks = self.masks.build(self.config, h, position_ids)
         embeddings: Any = None
         if self.rotary is not None:
-            # One row of tables per batch row, as the model's own forward builds them (Qwen4-Exp's indexer picks
-            # each row's tables by batch index); broadcasting made them equal for every other family.
-            rows = position_ids.expand(h.shape[0], -1)
+            # One row of tables per batch row only where the model's own forward builds them so (Qwen4-Exp's
+            # indexer picks each row's tables by batch index); one row broadcasts over the batch for the others.
+            rows = position_ids.expand(h.shape[0], -1) if self.tables_per_row else position_ids
             rotary = stage.get_submodule(self.rotary)
             if self.per_type_rotary:
                 # A type the forward hands no tables may have none to build (Beam's NoPE full-attention layers).
@@ -154,6 +157,11 @@ class BlockContext:
         given = {k: v for k, v in kwargs.items() if k in self.block_kwargs}
         out = block(h, **{**dict.fromkeys(_required_of(type(block))), **given})
         return out[0] if isinstance(out, (tuple, list)) else out  # GPT-1's blocks return a list
+
+
+def _batch_rows(tables: Any, rows: int) -> bool:
+    """Whether the traced forward handed a layer rotary tables with one row per batch row (`rows` > 1 of them)."""
+    return any(isinstance(t, torch.Tensor) and t.dim() > 2 and t.shape[0] == rows for t in tree_flatten(tables)[0])
 
 
 @functools.cache

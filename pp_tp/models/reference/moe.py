@@ -8,11 +8,13 @@ tokens are grouped into microbatches or ranks.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pp_tp.base._torch import FakeTensor
 from pp_tp.base.tensors import at_least_fp32
 from pp_tp.config.schema import ModelShape
 
@@ -68,15 +70,22 @@ class Experts(nn.Module):
         """hidden [T, dim] -> [T, dim]: for each token, sum over its k slots of weight * expert(hidden)."""
         n_experts, k = self.num_experts, top_k_index.shape[-1]
         slots = top_k_index.reshape(-1)
-        # Slots grouped by expert (stable: token order kept within an expert); foreign ids sort last, dropped.
-        expert = torch.where((slots >= 0) & (slots < n_experts), slots, n_experts)
+        # Slots grouped by expert (stable: token order kept within an expert); foreign ids sort last.
+        kept = (slots >= 0) & (slots < n_experts)
+        expert = torch.where(kept, slots, n_experts)
         order = torch.argsort(expert, stable=True)
-        counts = _slot_counts(expert, n_experts)
-        local = sum(counts)
-        tokens, weights = order[:local] // k, top_k_weights.reshape(-1)[order[:local]]
+        tokens, weights = order // k, top_k_weights.reshape(-1)[order, None]
         x = hidden[tokens]
-        run = self._grouped if _grouped_mm_fits(x, self.gate_up_proj, self.down_proj) else self._loop
-        y = run(x, counts) * weights[:, None]
+        if _grouped_mm_fits(x, self.gate_up_proj, self.down_proj):  # no host read: the groups' ends stay a tensor
+            kept = kept[order, None]
+            ends = torch.searchsorted(expert[order], torch.arange(n_experts, device=x.device), right=True)
+            # grouped_mm leaves the rows past the last group (foreign slots) unset, forward and backward: masked out
+            y = self._grouped(torch.where(kept, x, 0), ends.to(torch.int32))
+            y = torch.where(kept, y * weights, 0)
+        else:
+            counts = slot_counts(expert, n_experts)
+            local = sum(counts)
+            tokens, y = tokens[:local], self._loop(x[:local], counts) * weights[:local]
         return torch.zeros_like(hidden).index_add_(0, tokens, y.to(hidden.dtype))
 
     def _loop(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -87,21 +96,24 @@ class Experts(nn.Module):
             parts.append(F.linear(F.silu(gate) * up, down))
         return torch.cat(parts)
 
-    def _grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """The same as `_loop` in two grouped matmuls over all experts (group e = the rows of expert e)."""
-        offs = torch.tensor(counts, device=x.device).cumsum(0, dtype=torch.int32)
-        gate, up = F.grouped_mm(x, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-        return F.grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
+    def _grouped(self, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """The same as `_loop` in two grouped matmuls over all experts (group e = rows ends[e-1]:ends[e], int32)."""
+        gate, up = F.grouped_mm(x, self.gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+        return F.grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)
 
 
 def _grouped_mm_fits(*tensors: torch.Tensor) -> bool:
-    """Whether F.grouped_mm takes these tensors exactly as the loop would: plain (not fake, DTensor or float8) CPU
-    tensors, the device it was measured exact on, fp32 or bf16 alike, every stride but the unit one and the start
-    aligned to 16 bytes (its kernel refuses others). Anything else runs the per-expert loop."""
+    """Whether F.grouped_mm takes these tensors exactly as the loop would (measured bit-equal on CPU here and on an
+    H200), with every stride but the unit one and the start aligned to 16 bytes (its kernel refuses others).
+    The per-expert loop keeps what it cannot take, each for one reason:
+    - a tensor subclass: DTensor shards (grouped_mm has no sharding rule), torchao's float8 tensors, fake tensors
+      (the planner's: their meta kernel takes bf16 only);
+    - float64 and other dtypes: "Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double" (torch 2.13);
+    - devices other than CPU and CUDA (not measured)."""
     dtype = tensors[0].dtype
     return dtype in (torch.float32, torch.bfloat16) and all(
         type(t) in (torch.Tensor, nn.Parameter)
-        and t.device.type == "cpu"
+        and t.device.type in ("cpu", "cuda")
         and t.dtype == dtype
         and t.data_ptr() % 16 == 0
         and all(s * t.element_size() % 16 == 0 for s in t.stride() if s != 1)
@@ -109,13 +121,28 @@ def _grouped_mm_fits(*tensors: torch.Tensor) -> bool:
     )
 
 
-def _slot_counts(expert: torch.Tensor, n_experts: int) -> list[int]:
-    """Slots per expert, as Python ints (one host sync). A fake tensor (the planner measuring activations without
-    data) has no values: its slots are split evenly over the experts, the balanced routing training aims at."""
-    if isinstance(expert, FakeTensor):
-        local = expert.numel()  # an upper bound: the planner sees no foreign ids
-        return [local // n_experts + (e < local % n_experts) for e in range(n_experts)]
+def _read_counts(expert: torch.Tensor, n_experts: int) -> list[int]:
+    """Slots per expert as Python ints: one host read."""
     return torch.bincount(expert, minlength=n_experts + 1)[:n_experts].tolist()
+
+
+_COUNTS: list[Callable[[torch.Tensor, int], list[int]]] = []
+
+
+def slot_counts(expert: torch.Tensor, n_experts: int) -> list[int]:
+    """Slots per expert for the per-expert loop: read off the routing, or from what a run without values (the
+    planner's, on fake tensors) installed with `counted_by`."""
+    return (_COUNTS[-1] if _COUNTS else _read_counts)(expert, n_experts)
+
+
+@contextmanager
+def counted_by(counts: Callable[[torch.Tensor, int], list[int]]) -> Iterator[None]:
+    """The loop's slots per expert come from `counts(expert ids, n_experts)` inside."""
+    _COUNTS.append(counts)
+    try:
+        yield
+    finally:
+        _COUNTS.remove(counts)
 
 
 class MoE(nn.Module):

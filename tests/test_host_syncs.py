@@ -1,0 +1,37 @@
+"""Host syncs per `Pipeline.step` (pp_tp/diagnostics/host_syncs.py: item, bool, int, float, tolist, numpy and the
+ops whose output size needs values): none in a dense step at pp2 x tp2, and under expert parallel one read per MoE
+layer and microbatch, the all-to-all's split sizes (pp2 x ep2, 8 layers all MoE: 4 per rank, 4 microbatches).
+The cases are bench/host_syncs.py's, which prints the same counts."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+
+from host_syncs import LAYOUTS, syncs_case  # noqa: E402  (bench/host_syncs.py)
+
+from pp_tp.diagnostics.host_syncs import HostSyncs  # noqa: E402
+
+
+def test_the_counter_sees_reads_that_bypass_dispatch():
+    x = torch.arange(6.0)
+    with HostSyncs() as syncs:
+        x.tolist(), x.numpy(), float(x[0]), bool(x[1]), x[x > 2], torch.bincount(x.long())
+        torch.repeat_interleave(x, x.long(), output_size=15)  # sized by the caller: no read
+    assert syncs.count == 6 and "tolist" in str(syncs.where), syncs.where
+    assert torch.Tensor.tolist is torch._C.TensorBase.tolist  # unpatched after
+
+
+def test_no_host_sync_in_a_dense_step_and_one_per_moe_layer_and_microbatch(world):
+    args, kw = LAYOUTS["dense pp2 x tp2"]
+    dense = world(4).run(syncs_case, args, **kw)
+    assert [r["count"] for r in dense] == [0] * 4, [r["where"] for r in dense]
+    assert len({r["loss"] for r in dense}) == 1 and dense[0]["loss"] > 0
+    args, kw = LAYOUTS["MoE pp2 x ep2"]
+    for r in world(4).run(syncs_case, args, **kw):
+        assert r["moe_calls"] == 16 and r["count"] == r["moe_calls"], r
+        assert set(r["where"]) == {next(iter(r["where"]))} and "tolist" in next(iter(r["where"])), r
