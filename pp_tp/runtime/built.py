@@ -33,7 +33,8 @@ class BuildOptions:
     reading only its own slices; `source_dir`: the HF directory whose generation_config.json `save_pretrained` keeps
     (default: `checkpoint`); `loss_fn` (a callable with reduction="sum", or "mse", "l1", "cross_entropy") over the
     global `loss_normalizer`: runtime/loss.py:SumLoss, for `step(inputs, targets)`; `rng_seed`: the dropout streams'
-    seed (default: `seed`; pp_tp/parallel/rng.py); `moe`: MoE load balancing (runtime/balancing.py; default: none)."""
+    seed (default: `seed`; pp_tp/parallel/rng.py); `moe`: MoE load balancing (runtime/balancing.py; default: none);
+    `grpo_clip`, `grpo_kl_coef`: `step(..., loss_fn="grpo")`'s epsilon and beta (runtime/policy_loss.py)."""
 
     seed: int = 0
     state_dict: Mapping[str, torch.Tensor] | None = None
@@ -44,6 +45,8 @@ class BuildOptions:
     loss_normalizer: str = "elements"
     rng_seed: int | None = None
     moe: MoEConfig | None = None
+    grpo_clip: float = 0.2
+    grpo_kl_coef: float = 0.05
 
     @classmethod
     def of(cls, options: BuildOptions | None, keywords: dict[str, Any]) -> BuildOptions:

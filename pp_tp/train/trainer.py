@@ -138,6 +138,7 @@ class Trainer:
             loss_fn=t.loss or None,  # a model that is not an LM: its own loss, e.g. "mse"
             rng_seed=t.seed,  # dropout streams per (stage, dp rank), per TP rank in sharded regions
             moe=self.cfg.moe,  # MoE load balancing: auxiliary loss, expert-bias update
+            grpo_clip=t.grpo_clip, grpo_kl_coef=t.grpo_kl_coef,  # step(..., loss_fn="grpo") for an RL loop
         )  # fmt: skip
         self.loader = Prefetcher(self.source.loader(dp_rank(self.mesh), dp_size(self.mesh)), self.cfg.data.prefetch)
         self.optimizers, self.schedulers = build_optimizers(self.pipe.model_parts, t)
