@@ -5,7 +5,7 @@ logprobs: pp2 x tp2 with a vocab-parallel head, pp2 x dp2 on an HF Llama, pp2 x 
 sequence length changes between calls, no gradient (nor the RNG) is touched. GRPO: pp2 x tp2 and pp2 x ep2 (the
 reference MoE) in lockstep with the plain model computing the issue's formula, advantages per row then per token,
 without then with ref_logprobs. iter_full_state_dict: pp2 x tp2 x dp2 (FSDP) on a tied HF Llama, and pp2 x ep2 on
-an HF Mixtral (packed experts in HF names, and the checkpoint names) under its memory bound.
+an HF Mixtral (packed experts in HF names, and the checkpoint names), each under its memory bound.
 """
 
 from __future__ import annotations
@@ -205,8 +205,8 @@ class NewStorage(TorchDispatchMode):
 
 
 def full_state_case(layout: dict, family: str) -> dict:
-    """Every (name, tensor) against the plain model's state_dict (bitwise, fp32), the tied head left out once; the
-    bytes the iteration allocates against the largest full tensor plus its local shard."""
+    """Every (name, tensor) against the plain model's state_dict (bitwise, fp32); the peak bytes the iteration
+    allocates, the largest full tensor and the largest local shard."""
     from test_hf_families import make
 
     pcfg = pu.pcfg_of(**layout)
@@ -229,15 +229,17 @@ def full_state_case(layout: dict, family: str) -> dict:
             del t
     disk = [n for n, _ in pipe.iter_full_state_dict(checkpoint_names=True)]
     largest = max(v.numel() * v.element_size() for v in want.values())
-    return {"names": names, "want": sorted(want), "equal": equal, "peak": mem.peak, "bound": largest + shard,
+    return {"names": names, "want": sorted(want), "equal": equal, "peak": mem.peak, "largest": largest, "shard": shard,
             "disk": disk}  # fmt: skip
 
 
 def test_iter_full_state_dict_at_pp2_tp2_dp2_is_the_plain_state_dict(world):
     for r in world(8).run(full_state_case, dict(pp=2, dp_shard=2, microbatches=2, **VOCAB_PAR), "llama_tied"):
         assert r["equal"] and len(r["names"]) == len(set(r["names"])), r["names"]
-        assert sorted(r["names"]) == [n for n in r["want"] if n != "lm_head.weight"]  # tied: once, as the embedding
-        assert r["peak"] <= r["bound"], (r["peak"], r["bound"])
+        assert sorted(r["names"]) == r["want"]  # the HF head tied to the embedding: under both names, as saved
+        # DTensor gathers a [dp, tp]-sharded tensor one mesh dim at a time: the full tensor and this tp rank's rows
+        # gathered over dp (half of it at tp2) are alive together; nothing else is held
+        assert r["peak"] <= r["largest"] * 3 // 2, (r["peak"], r["largest"])
 
 
 def test_iter_full_state_dict_at_pp2_ep2_gives_hf_expert_names_within_its_memory_bound(world):
@@ -245,4 +247,4 @@ def test_iter_full_state_dict_at_pp2_ep2_gives_hf_expert_names_within_its_memory
         assert r["equal"] and sorted(r["names"]) == r["want"], r["names"]
         assert any(n.endswith("experts.gate_up_proj") for n in r["names"])
         assert any(".experts.0." in n for n in r["disk"]), r["disk"]  # checkpoint names: per expert
-        assert r["peak"] <= r["bound"], (r["peak"], r["bound"])
+        assert r["peak"] <= r["largest"] + r["shard"], (r["peak"], r["largest"], r["shard"])  # experts one at a time
