@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,9 +20,6 @@ from torch import nn
 from pp_tp.errors import ConfigError
 from pp_tp.parallel.context_parallel import ContextParallel
 from pp_tp.runtime.evaluate import forward_only, grad_state
-
-if TYPE_CHECKING:
-    from pp_tp.runtime.pipeline import Pipeline
 
 
 @contextlib.contextmanager
@@ -55,9 +52,10 @@ def whole_sequences(local: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
 
 @torch.no_grad()
 def logprobs(
-    pipe: Pipeline, inputs: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None
+    pipe: Any, inputs: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """float32 [batch, seq] of this DP rank's rows: log p(label) per token, 0.0 where the label is -100."""
+    """float32 [batch, seq] of this DP rank's rows: log p(label) per token, 0.0 where the label is -100. `pipe`: the
+    Pipeline (not imported: it imports this module)."""
     where = "Pipeline.logprobs"
     if pipe._targets:
         raise ConfigError(f"{where}: the pipeline was built with a loss_fn (not a language model); it has no labels")
