@@ -3,7 +3,8 @@
     torchrun --nproc-per-node 4 examples/grpo_toy.py [--steps 40]
 
 Prompts are "after monday comes" and "july comes before" (word tokens); a completion is two sampled tokens, rewarded
-1 when it is the right word and ".". The three post-training calls of `Pipeline`:
+1 when it is the right word and ".". Each step samples G completions of each of the 18 prompts. The three
+post-training calls of `Pipeline`:
 - rollouts come from a plain copy of the model (the stand-in for vLLM / SGLang) refreshed after every update from
   `pipe.iter_full_state_dict()`; G samples per prompt, advantages normalized within each prompt's group;
 - the old log-probs come from `pipe.logprobs(ids, labels)` (forward only);
@@ -75,7 +76,6 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--pretrain", type=int, default=30)
-    p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--group", type=int, default=8)
     a = p.parse_args()
     torch.set_num_threads(1)
@@ -99,12 +99,11 @@ def main() -> None:
     table = tasks()
     for step in range(a.steps):
         refresh(policy, pipe)
-        pick = torch.randint(len(table), (a.prompts,), generator=gen)
-        prompts = torch.tensor([table[int(k)][0] for k in pick]).repeat_interleave(a.group, 0)
-        answers = torch.tensor([table[int(k)][1] for k in pick]).repeat_interleave(a.group, 0)
+        prompts = torch.tensor([t[0] for t in table]).repeat_interleave(a.group, 0)  # every prompt, G times
+        answers = torch.tensor([t[1] for t in table]).repeat_interleave(a.group, 0)
         seq = rollouts(policy, prompts, gen)
         reward = ((seq[:, 3] == answers) & (seq[:, 4] == ID["."])).float()
-        groups = reward.view(a.prompts, a.group)
+        groups = reward.view(len(table), a.group)
         adv = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)).flatten()
         ids, labels = seq[:, :-1], seq[:, 1:].clone()
         labels[:, :2] = -100  # the prompt's own tokens are not the policy's actions
