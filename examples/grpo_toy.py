@@ -82,9 +82,12 @@ def main() -> None:
     dist.init_process_group("gloo")
     pcfg = pp_tp.ParallelConfig(pp=2, tp=2, dp_shard=1, schedule="1F1B", microbatches=2, mixed_precision="fp32",
                                 embedding="vocab_parallel", loss_parallel=True)  # fmt: skip
+    torch.manual_seed(0)
+    policy = Transformer(ARGS)  # the inference copy; its initial weights are the trainer's too
+    policy.eval()
     with torch.device("meta"):
         meta = Transformer(ARGS)
-    pipe = pp_tp.build_pipeline(meta, pp_tp.build_mesh(pcfg), pcfg, seed=0)
+    pipe = pp_tp.build_pipeline(meta, pp_tp.build_mesh(pcfg), pcfg, state_dict=policy.state_dict())
     opt = torch.optim.AdamW([q for part in pipe.model_parts for q in part.parameters()], lr=3e-3, weight_decay=0.0)
     gen = torch.Generator().manual_seed(0)  # the same on every rank: every rank sees the same batch
     talk = dist.get_rank() == 0
@@ -94,8 +97,6 @@ def main() -> None:
         opt.step()
         if talk and (i + 1) % 10 == 0:
             print(f"pretrain {i + 1} ce {float(loss):.3f}", flush=True)
-    policy = Transformer(ARGS)
-    policy.eval()
     table = tasks()
     for step in range(a.steps):
         refresh(policy, pipe)
