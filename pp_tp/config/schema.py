@@ -136,6 +136,8 @@ class TrainingConfig:
     comm_timeout_s: float = 300.0
     skip_nonfinite: bool = False  # a non-finite loss or grad norm skips the step (counted) instead of stopping
     loss: str = ""  # "": the language model's token loss; else a name in LOSS_NAMES (models that are not LMs)
+    grpo_clip: float = 0.2  # Pipeline.step(..., loss_fn="grpo"): the ratio's clip epsilon
+    grpo_kl_coef: float = 0.05  # and the k3 KL term's beta (with extras["ref_logprobs"])
 
 
 @dataclass

@@ -182,4 +182,9 @@ def _check_training(training: TrainingConfig, p: ParallelConfig) -> TrainingConf
             f"per DP rank (dp = {p.dp}), which does not split into parallel.microbatches = "
             f"{p.microbatches}; set training.batch_size to a multiple of dp * microbatches = {multiple}"
         )
+    if not 0.0 < t.grpo_clip < 1.0 or t.grpo_kl_coef < 0.0:  # Pipeline.step(..., loss_fn="grpo")'s epsilon, beta
+        raise ConfigError(
+            f"training.grpo_clip = {t.grpo_clip}, training.grpo_kl_coef = {t.grpo_kl_coef}: set a clip in (0, 1) "
+            "and a KL coefficient >= 0"
+        )
     return t

@@ -41,7 +41,7 @@ def parse_size(size: int | str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
-def _owned(parts: list[nn.Module]) -> list[tuple[str, torch.Tensor]]:
+def owned_tensors(parts: list[nn.Module]) -> list[tuple[str, torch.Tensor]]:
     """(checkpoint key, tensor) this pp rank stores: every parameter (a tied copy only where its canonical name
     lives) and persistent buffer (one under a module every stage shares only with the first stage)."""
     out: dict[str, torch.Tensor] = {}
@@ -153,7 +153,7 @@ def save_pretrained(
     from safetensors.torch import save_file
 
     max_bytes = parse_size(max_shard_size)
-    owned = _owned(parts)
+    owned = owned_tensors(parts)
     reverter = Reverter(config)
     planned, sizes_of, refusal = _disk_plan(owned, reverter, dtype, expert_dims(parts))
     files = _plan_files(planned, sizes_of, max_bytes) if refusal is None else []

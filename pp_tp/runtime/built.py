@@ -35,7 +35,8 @@ class BuildOptions:
     global `loss_normalizer`: runtime/loss.py:SumLoss, for `step(inputs, targets)`; `rng_seed`: the dropout streams'
     seed (default: `seed`; pp_tp/parallel/rng.py); `moe`: MoE load balancing (runtime/balancing.py; default: none);
     `document_mask`: steps will pass packed documents' position ids (`data.document_mask`), so a layout that cannot
-    mask them is refused at the build, not at the first step."""
+    mask them is refused at the build, not at the first step.
+    `grpo_clip`, `grpo_kl_coef`: `step(..., loss_fn="grpo")`'s epsilon and beta (runtime/policy_loss.py)."""
 
     seed: int = 0
     state_dict: Mapping[str, torch.Tensor] | None = None
@@ -47,6 +48,8 @@ class BuildOptions:
     rng_seed: int | None = None
     moe: MoEConfig | None = None
     document_mask: bool = False
+    grpo_clip: float = 0.2
+    grpo_kl_coef: float = 0.05
 
     @classmethod
     def of(cls, options: BuildOptions | None, keywords: dict[str, Any]) -> BuildOptions:

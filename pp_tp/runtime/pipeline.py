@@ -9,6 +9,7 @@ every rank must see the same shape, as they do when the data loader feeds equal 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from operator import attrgetter
 
 import torch
@@ -28,7 +29,10 @@ from pp_tp.parallel.tensor_parallel import reduce_partial_grads
 from pp_tp.runtime.balancing import Balancing
 from pp_tp.runtime.built import BuiltStages
 from pp_tp.runtime.evaluate import forward_only, grad_state
+from pp_tp.runtime.extras import ExtrasLoss, RowLoss, per_call, shard_extras
+from pp_tp.runtime.full_state import iter_full_state_dict
 from pp_tp.runtime.grad_reduce import ReducingStage
+from pp_tp.runtime.logprobs import logprobs
 from pp_tp.runtime.loss import TokenSumLoss, count_targets, count_tokens, loss_scale
 from pp_tp.schedules.registry import get_schedule_spec, is_csv_schedule
 
@@ -74,6 +78,7 @@ class Pipeline:
         ]
         self._targets = built.loss is not None  # step(inputs, targets) with the caller's loss
         self._loss = built.loss if built.loss is not None else TokenSumLoss(built.tp_loss_mesh)
+        self._rows = RowLoss(self._loss)  # the schedule's loss: ours, or a per-call loss over rows (runtime/extras.py)
         self._pp_group = built.mesh.get_group("pp")
         self._dp_groups = token_groups(built.mesh)
         self._cp = ContextParallel(built.mesh) if built.pcfg.cp > 1 else None
@@ -115,12 +120,12 @@ class Pipeline:
             )
         name = self.pcfg.schedule
         if is_csv_schedule(name):
-            schedule = PipelineScheduleRuntime(pstages, n_microbatches=m, loss_fn=self._loss, scale_grads=False)
+            schedule = PipelineScheduleRuntime(pstages, n_microbatches=m, loss_fn=self._rows, scale_grads=False)
             load_csv_schedule(schedule, name)
         else:
             spec = get_schedule_spec(name)
             schedule = spec.cls(
-                pstages if spec.multi_stage else pstages[0], n_microbatches=m, loss_fn=self._loss, scale_grads=False
+                pstages if spec.multi_stage else pstages[0], n_microbatches=m, loss_fn=self._rows, scale_grads=False
             )
         if isinstance(schedule, PipelineScheduleRuntime) and fsdp.keeps_params_gathered:
             _gather_params_once(schedule)
@@ -221,16 +226,26 @@ class Pipeline:
         return self._cp.shard(inputs), self._cp.shard(targets), position_ids
 
     def step(
-        self, inputs: torch.Tensor, targets: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        *,
+        extras: dict[str, torch.Tensor] | None = None,
+        loss_fn: ExtrasLoss | str | None = None,
     ) -> torch.Tensor:
         """One forward/backward over this DP rank's batch; returns the global loss on every rank: the mean token loss
         (`inputs` = input_ids, `targets` = labels), or with the caller's loss its sum over the global normalizer
         (targets needed only where the last stage is). `position_ids` ([batch, seq], restarting at 0 at every packed
         document) keep each token's attention and positions inside its own document; the model's layout must offer
-        `document_block_inputs`. Under context parallel each cp rank runs its head-tail chunks of the same rows."""
+        `document_block_inputs`. Under context parallel each cp rank runs its head-tail chunks of the same rows.
+        `loss_fn(output, targets, extras) -> sum` (or "grpo", runtime/policy_loss.py) replaces the loss for this call,
+        `extras` ([B] or [B, S] tensors) split into microbatches as the targets are (runtime/extras.py)."""
         self._check_positions("Pipeline.step", inputs, position_ids)
+        call_loss, extras = per_call("Pipeline.step", inputs, extras, loss_fn, self.options)  # checked: one line
         inputs, targets, position_ids = self._context_shard("Pipeline.step", inputs, targets, position_ids)
         inputs, targets, n = self.prepare_batch("Pipeline.step", inputs, targets)
+        extras = shard_extras(extras, self._cp, self.device)
         kwargs = self._schedule_kwargs(inputs, position_ids)
         self._loss.scale = loss_scale(self._built.grad_factor, n)
         losses: list[torch.Tensor] = []
@@ -238,6 +253,7 @@ class Pipeline:
         target = targets if self.has_last_stage else None
         with contextlib.ExitStack() as ctx:
             ctx.enter_context(self._loss.parallel())  # torch wants the vocab-parallel loss's backward inside it too
+            target = ctx.enter_context(self._rows.route(call_loss, target, extras))  # row indices with a call's loss
             for stage in self.model_parts:  # masks and rotary tables once per step, not once per microbatch
                 ctx.enter_context(stage.reuse_block_inputs())
             self.balancing.start_step()
@@ -256,6 +272,18 @@ class Pipeline:
         """Moves every local MoE layer's expert bias by moe.bias_update_rate * sign(mean_e(c) - c_e), c = the last
         step's tokens per expert (global); call it after `optimizer.step()`. No communication; a no-op at rate 0."""
         self.balancing.update_expert_bias()
+
+    def logprobs(
+        self, inputs: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """float32 [batch, seq]: log p(label) of each token of this DP rank's rows (0.0 where -100), forward-only,
+        on every rank; vocab-parallel under parallel.loss_parallel, whole sequences under cp (runtime/logprobs.py)."""
+        return logprobs(self, inputs, labels, position_ids)
+
+    def iter_full_state_dict(self, checkpoint_names: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor) of the whole model, one at a time, on every rank (a collective every rank drains):
+        what a trainer hands an inference engine between updates (runtime/full_state.py)."""
+        return iter_full_state_dict(self.model_parts, self.mesh, self.device, self.hf_config, checkpoint_names)
 
     def save_pretrained(self, path: str, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None) -> None:
         """Writes the whole model to `path` in HF format (a collective; each pp rank writes its stages' files)."""

@@ -139,6 +139,7 @@ class Trainer:
             rng_seed=t.seed,  # dropout streams per (stage, dp rank), per TP rank in sharded regions
             moe=self.cfg.moe,  # MoE load balancing: auxiliary loss, expert-bias update
             document_mask=self.cfg.data.document_mask,  # packed documents: refused at the build where not maskable
+            grpo_clip=t.grpo_clip, grpo_kl_coef=t.grpo_kl_coef,  # step(..., loss_fn="grpo") for an RL loop
         )  # fmt: skip
         self.loader = Prefetcher(self.source.loader(dp_rank(self.mesh), dp_size(self.mesh)), self.cfg.data.prefetch)
         self.optimizers, self.schedulers = build_optimizers(self.pipe.model_parts, t)
