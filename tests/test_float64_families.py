@@ -10,9 +10,9 @@ badly conditioned sum (dt_bias's gradient norm 6.6e-8), not the head split."""
 from __future__ import annotations
 
 import parity_utils as pu
-import test_hf_families as hf
-import test_hf_mixers  # noqa: F401 - registers the mixer families in hf.FAMILIES
 import torch
+from hf_utils import SEQ, VOCAB, seeded_state
+from test_hf_mixers import FAMILIES
 
 import pp_tp
 from pp_tp.models.reference.model import ModelArgs
@@ -29,10 +29,10 @@ def float64_case(name: str, kw: dict, part: str = "linear_attn", steps: int = 2)
     """Per rank, over `steps` AdamW steps of the float64 pipeline against the float64 model on one padded batch: the
     worst loss error, and the worst gradient and parameter error of the tensors whose name holds `part`."""
     pcfg = pu.pcfg_of(**kw, dtype="float64")
-    ids, labels = pu.batch(ModelArgs(vocab_size=hf.VOCAB), 8, hf.SEQ, pad=True)
+    ids, labels = pu.batch(ModelArgs(vocab_size=VOCAB), 8, SEQ, pad=True)
     torch.manual_seed(0)
-    model, meta = hf.make(name), hf.make(name, "meta")
-    state = hf._state(model)
+    model, meta = FAMILIES[name].make(), FAMILIES[name].make("meta")
+    state = seeded_state(model)
     model.load_state_dict(state, strict=False)
     for m in (model, meta):
         m.set_experts_implementation("eager")  # grouped_mm refuses float64

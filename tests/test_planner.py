@@ -185,20 +185,20 @@ def test_cli_bad_world_size_is_one_error_line(tmp_path, capsys, monkeypatch):
     assert len(lines) == 1 and lines[0].startswith("error: parallel.dp_shard = -1 cannot fill world size 6")
 
 
-def test_cli_without_world_size_names_the_world_it_planned(tmp_path):
+def test_cli_without_world_size_names_the_world_it_planned(tmp_path, capsys, monkeypatch):
     """No --world-size: the degrees' product, said first; dp_shard = -1 is taken as 1, and a refusal (a budget
     nothing fits) names that world and the flag that sets it."""
     path = tmp_path / "job.toml"
     path.write_text(TINY.format(tp=2, mp="bf16", ac="none"))
-    fixed = run_plan("--config", str(path), "parallel.dp_shard=2")
-    assert fixed.returncode == 0, fixed.stderr
-    first = fixed.stdout.splitlines()[0]
+    code, out, err = run_plan(capsys, monkeypatch, "--config", str(path), "parallel.dp_shard=2")
+    assert code == 0, err
+    first = out.splitlines()[0]
     assert first.startswith("planned at world size 8 = pp 2 x dp_replicate 1 x dp_shard 2 x cp 1 x tp 2"), first
-    assert "product of the config's degrees" in first and "world: 8 ranks" in fixed.stdout
-    refused = run_plan("--config", str(path), "parallel.fsdp_reshard_after_forward=auto",
-                       "parallel.memory_budget_gib=0.0001")  # fmt: skip
-    assert refused.returncode == 2 and refused.stdout == ""
-    (line,) = refused.stderr.splitlines()
+    assert "product of the config's degrees" in first and "world: 8 ranks" in out
+    code, out, err = run_plan(capsys, monkeypatch, "--config", str(path), "parallel.fsdp_reshard_after_forward=auto",
+                              "parallel.memory_budget_gib=0.0001")  # fmt: skip
+    assert code == 2 and out == ""
+    (line,) = err.splitlines()
     assert line.startswith("error: parallel.memory_budget_gib = 0.0001: no FSDP policy fits pp rank 0;"), line
     assert line.endswith("(planned at world size 4 = pp 2 x dp_replicate 1 x dp_shard 1 x cp 1 x tp 2, the fewest "
                          "ranks the degrees allow (dp_shard = -1 taken as 1); pass --world-size N)"), line  # fmt: skip

@@ -13,14 +13,14 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 
-import family_sweep  # noqa: E402  (bench/family_sweep.py: the default configs, repaired where they need it)
+import family_run  # noqa: E402  (bench/family_run.py: the default configs, repaired where they need it)
 
 from pp_tp.layout import layout_for  # noqa: E402
 
 
 @pytest.mark.parametrize(("model_type", "per_row"), [("llama", False), ("qwen4_exp_text", True)])
 def test_rotary_tables_per_batch_row_only_where_the_forward_builds_them(model_type, per_row):
-    model, _ = family_sweep.reference_model(model_type)
+    model, _ = family_run.reference_model(model_type)
     context = layout_for(model).block_inputs.__self__
     assert context.tables_per_row is per_row
     tables = context.inputs(model, torch.zeros(3, 5, model.config.hidden_size))[2]

@@ -190,5 +190,14 @@ def float64_overrides(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+def _entry() -> int:
+    """The torchrun entry: the process group is ended before exit (as train and export do), so no gloo thread is
+    left to the interpreter's teardown; `main` itself leaves it to its caller (tests run it inside their world)."""
+    code = main()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_entry())
