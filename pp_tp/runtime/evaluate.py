@@ -49,3 +49,16 @@ def forward_only(schedule: Any) -> Iterator[None]:
         yield
     finally:
         schedule.pipeline_order_with_comms = order
+
+
+@contextlib.contextmanager
+def kept_grads(parts: list[nn.Module]) -> Iterator[None]:
+    """Every parameter's gradient as it was before the `with` block: torch re-initializes the stages when a schedule
+    switches between train and eval, and that cleanup sets each FSDP parameter's grad to None
+    (stage._post_metadata_inference_cleanup)."""
+    grads = [(p, p.grad) for part in parts for p in part.parameters()]
+    try:
+        yield
+    finally:
+        for p, g in grads:
+            p.grad = g

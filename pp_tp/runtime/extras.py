@@ -17,8 +17,8 @@ import torch
 
 from pp_tp.errors import ConfigError
 from pp_tp.parallel.context_parallel import ContextParallel
-from pp_tp.runtime.loss import scaled
-from pp_tp.runtime.policy_loss import GrpoLoss, token_logprobs, vocab_parallel
+from pp_tp.runtime.loss import scaled, vocab_parallel
+from pp_tp.runtime.policy_loss import GrpoLoss, token_logprobs
 
 ExtrasLoss = Callable[[torch.Tensor, torch.Tensor, Mapping[str, torch.Tensor]], torch.Tensor]
 BUILT_IN = ("grpo",)

@@ -19,24 +19,21 @@ from torch import nn
 
 from pp_tp.errors import ConfigError
 from pp_tp.parallel.context_parallel import ContextParallel
-from pp_tp.runtime.evaluate import forward_only, grad_state
+from pp_tp.runtime.evaluate import forward_only, grad_state, kept_grads
 
 
 @contextlib.contextmanager
 def inference(parts: list[nn.Module]) -> Iterator[None]:
-    """Eval mode (no dropout, so no RNG draw) and every gradient kept: torch's train <-> eval switch of a schedule
-    sets each FSDP parameter's grad to None (stage._post_metadata_inference_cleanup), so they are put back."""
+    """Eval mode (no dropout, so no RNG draw) and every gradient kept (`kept_grads`)."""
     modes = [(m, m.training) for part in parts for m in part.modules()]
-    grads = [(p, p.grad) for part in parts for p in part.parameters()]
     for part in parts:
         part.eval()
     try:
-        yield
+        with kept_grads(parts):
+            yield
     finally:
         for m, mode in modes:
             m.training = mode
-        for p, g in grads:
-            p.grad = g
 
 
 def whole_sequences(local: torch.Tensor, cp: ContextParallel) -> torch.Tensor:

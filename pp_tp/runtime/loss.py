@@ -27,6 +27,14 @@ from pp_tp.errors import ConfigError
 IGNORE_INDEX = -100
 
 
+def vocab_parallel(logits: torch.Tensor, tp_mesh: DeviceMesh | None) -> torch.Tensor:
+    """The logits as a loss must see them: this rank's vocabulary shard as a DTensor (Shard(-1) over tp), or as
+    they are when the head gathers them (or there is no TP)."""
+    if tp_mesh is None:
+        return logits
+    return DTensor.from_local(logits, tp_mesh, [Shard(-1)], run_check=False)
+
+
 class TokenSumLoss:
     """Microbatch loss = sum of token CE * `scale`, where `scale` = grad_factor / global token count.
 
@@ -50,8 +58,7 @@ class TokenSumLoss:
         return loss_parallel() if self.tp_mesh is not None else contextlib.nullcontext()
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        if self.tp_mesh is not None:
-            logits = DTensor.from_local(logits, self.tp_mesh, [Shard(-1)], run_check=False)
+        logits = vocab_parallel(logits, self.tp_mesh)
         logits = at_least_fp32(logits.flatten(0, 1))  # fp32 under bf16, float64 kept
         ce = F.cross_entropy(logits, labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
         return scaled(full_tensor(ce), self.scale)

@@ -28,7 +28,7 @@ from pp_tp.parallel.rng import StageStream
 from pp_tp.parallel.tensor_parallel import reduce_partial_grads
 from pp_tp.runtime.balancing import Balancing
 from pp_tp.runtime.built import BuiltStages
-from pp_tp.runtime.evaluate import forward_only, grad_state
+from pp_tp.runtime.evaluate import forward_only, grad_state, kept_grads
 from pp_tp.runtime.extras import ExtrasLoss, RowLoss, per_call, shard_extras
 from pp_tp.runtime.full_state import iter_full_state_dict
 from pp_tp.runtime.grad_reduce import ReducingStage
@@ -304,17 +304,12 @@ class Pipeline:
         self._loss.scale = loss_scale(1.0, n_tokens)  # nothing flows back, so no FSDP mean to undo
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first_stage else ()
-        # torch re-initializes the stages when a schedule switches between train and eval, and that cleanup
-        # sets every FSDP parameter's grad to None (stage._post_metadata_inference_cleanup): put them back.
-        grads = [(p, p.grad) for part in self.model_parts for p in part.parameters()]
         try:
-            with self._loss.parallel(), forward_only(self.schedule):
+            with kept_grads(self.model_parts), self._loss.parallel(), forward_only(self.schedule):
                 self.schedule.eval(*args, target=labels if self.has_last_stage else None, losses=losses,
                                    return_outputs=False, **kwargs)  # fmt: skip
         finally:
             self._loss.scale = scale
-            for p, g in grads:
-                p.grad = g
         changed = [k for k, v in grad_state(self.model_parts).items() if before[k] != v]
         if changed:
             raise AssertionError(f"Pipeline.evaluate changed the gradient of {changed[0]}; it must be forward-only")

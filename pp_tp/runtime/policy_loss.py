@@ -14,20 +14,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
 from pp_tp.base.tensors import full_tensor
 from pp_tp.errors import ConfigError
-
-IGNORE_INDEX = -100
-
-
-def vocab_parallel(logits: torch.Tensor, tp_mesh: DeviceMesh | None) -> torch.Tensor:
-    """The logits as the loss must see them: this rank's vocabulary shard as a DTensor (Shard(-1) over tp), or as
-    they are when the head gathers them (or there is no TP)."""
-    if tp_mesh is None:
-        return logits
-    return DTensor.from_local(logits, tp_mesh, [Shard(-1)], run_check=False)
+from pp_tp.runtime.loss import IGNORE_INDEX, vocab_parallel
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, tp_mesh: DeviceMesh | None = None) -> torch.Tensor:
