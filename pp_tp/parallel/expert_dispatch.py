@@ -24,22 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from pp_tp.base._torch import all_to_all_single_autograd, swap_parameters, wait_tensor
-
-# Where a call's slots (sorted by expert) go: (dispatch, slots, flat routing, its sort order) -> (the slots this
-# rank's experts get, their local expert ids, send and receive split sizes). `ExpertDispatch.route` reads them off the
-# routing's values; a run without values (the planner's, on fake tensors) installs its own through `routed_by`.
-Route = Callable[..., tuple]
-_ROUTES: list[Route] = []
-
-
-@contextmanager
-def routed_by(route: Route) -> Iterator[None]:
-    """Every ExpertDispatch call inside routes by `route` instead of the routing's values."""
-    _ROUTES.append(route)
-    try:
-        yield
-    finally:
-        _ROUTES.remove(route)
+from pp_tp.base.override import Override
 
 
 @dataclass
@@ -71,7 +56,7 @@ class ExpertDispatch:
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token = order // k
-        slots, ids, send, recv = (_ROUTES[-1] if _ROUTES else ExpertDispatch.route)(self, x[token], flat, order)
+        slots, ids, send, recv = ROUTE()(self, x[token], flat, order)
         ones = torch.ones(ids.shape[0], 1, dtype=top_k_weights.dtype, device=ids.device)
         with local_parameters(module, 1.0 / self.ep.size() if self.ep is not None else 1.0, self.zeroed) as local:
             out = forward(module, slots, ids.unsqueeze(1), ones)
@@ -102,6 +87,11 @@ class ExpertDispatch:
         ids = torch.arange(local, device=counts.device).repeat(ep)
         ids = ids.repeat_interleave(mine.flatten(), output_size=sum(recv))
         return received, ids, send, recv
+
+
+# Where a call's slots (sorted by expert) go: (dispatch, slots, flat routing, its sort order) -> (the slots this
+# rank's experts get, their local expert ids, send and receive split sizes); a run without values installs its own.
+ROUTE = Override(ExpertDispatch.route)
 
 
 @contextmanager

@@ -20,8 +20,8 @@ from pp_tp.base._torch import all_to_all_single_autograd, wait_tensor
 from pp_tp.config import ParallelConfig
 from pp_tp.errors import ConfigError
 from pp_tp.layout import ModelLayout
-from pp_tp.models.reference.moe import counted_by
-from pp_tp.parallel.expert_dispatch import ExpertDispatch, routed_by
+from pp_tp.models.reference.moe import SLOT_COUNTS
+from pp_tp.parallel.expert_dispatch import ROUTE, ExpertDispatch
 from pp_tp.parallel.experts import experts_modules
 from pp_tp.split.plan import StageSpec
 
@@ -47,7 +47,7 @@ def _balanced_counts(expert: torch.Tensor, n_experts: int) -> list[int]:
 def balanced_routing() -> Iterator[None]:
     """The dry run's forward on fake tensors, which hold no routing: expert dispatch and the reference experts' loop
     size everything as if every expert got an equal share of the slots (the balance training aims at)."""
-    with routed_by(_balanced_route), counted_by(_balanced_counts):
+    with ROUTE.installed(_balanced_route), SLOT_COUNTS.installed(_balanced_counts):
         yield
 
 

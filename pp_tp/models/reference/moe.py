@@ -8,13 +8,11 @@ tokens are grouped into microbatches or ranks.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pp_tp.base.override import Override
 from pp_tp.base.tensors import at_least_fp32
 from pp_tp.config.schema import ModelShape
 
@@ -83,7 +81,7 @@ class Experts(nn.Module):
             y = self._grouped(torch.where(kept, x, 0), ends.to(torch.int32))
             y = torch.where(kept, y * weights, 0)
         else:
-            counts = slot_counts(expert, n_experts)
+            counts = SLOT_COUNTS()(expert, n_experts)
             local = sum(counts)
             tokens, y = tokens[:local], self._loop(x[:local], counts) * weights[:local]
         return torch.zeros_like(hidden).index_add_(0, tokens, y.to(hidden.dtype))
@@ -126,23 +124,9 @@ def _read_counts(expert: torch.Tensor, n_experts: int) -> list[int]:
     return torch.bincount(expert, minlength=n_experts + 1)[:n_experts].tolist()
 
 
-_COUNTS: list[Callable[[torch.Tensor, int], list[int]]] = []
-
-
-def slot_counts(expert: torch.Tensor, n_experts: int) -> list[int]:
-    """Slots per expert for the per-expert loop: read off the routing, or from what a run without values (the
-    planner's, on fake tensors) installed with `counted_by`."""
-    return (_COUNTS[-1] if _COUNTS else _read_counts)(expert, n_experts)
-
-
-@contextmanager
-def counted_by(counts: Callable[[torch.Tensor, int], list[int]]) -> Iterator[None]:
-    """The loop's slots per expert come from `counts(expert ids, n_experts)` inside."""
-    _COUNTS.append(counts)
-    try:
-        yield
-    finally:
-        _COUNTS.remove(counts)
+# Slots per expert for the per-expert loop: read off the routing, or, in a run without values (the planner's, on fake
+# tensors), what it installed.
+SLOT_COUNTS = Override(_read_counts)
 
 
 class MoE(nn.Module):
