@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from harness import World  # noqa: E402
+from harness import World, close_all  # noqa: E402
 
 _worlds: dict[int, World] = {}
 
@@ -37,5 +37,4 @@ def _pause_worlds():
 def world():
     """`world(n)` returns the session's n-rank world."""
     yield get_world
-    for w in _worlds.values():
-        w.close()
+    close_all(list(_worlds.values()))

@@ -15,6 +15,11 @@ case and 0 of 16 in test_nonlm's ViT case).
 Between its cases a world is stopped (SIGSTOP, `pause`): every gloo process group keeps a transport thread that
 wakes about every 10 ms even when idle, and with tens of groups per rank and several worlds alive, idle ranks
 took about one of this machine's two cores (measured: 5-18 % CPU each for 13 idle ranks).
+
+The ranks are forked from a forkserver that imported torch and pp_tp once (`_PRELOAD`): a spawned rank paid that
+import itself, for every rank of every world. The rendezvous store is held by the test process on a port the OS picks
+(`TCPStore(port=0)`), so no other process (another world, another pytest-xdist worker) can take the port between its
+choice and its use, as a probed free port could.
 """
 
 from __future__ import annotations
@@ -29,11 +34,16 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 CASE_TIMEOUT_S = float(os.environ.get("PP_TP_CASE_TIMEOUT", "600"))
 # Bounds every collective: when one rank fails, its peers error out instead of waiting forever.
 PG_TIMEOUT_S = 60
+# What every rank imports anyway, imported once in the forkserver its ranks are forked from.
+_PRELOAD = ["torch", "torch.distributed.pipelining", "torch.distributed.tensor", "pp_tp"]
+# How long ranks asked to leave get before they are killed, shared by all worlds closing together.
+LEAVE_GRACE_S = 2.0
 
 
 class RankError(AssertionError):
@@ -41,20 +51,23 @@ class RankError(AssertionError):
 
 
 def _free_port() -> int:
+    """A port free now, for a process that binds it itself (a torchrun-less job's rank 0)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
+    # MASTER_PORT names the test process's store: pp_tp's liveness watch (train/liveness.py) connects to it too.
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
     import torch
-    import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=PG_TIMEOUT_S))
+    timeout = timedelta(seconds=PG_TIMEOUT_S)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     while True:
         task = tasks.get()
         if task is None:
@@ -81,11 +94,14 @@ class World:
     def __init__(self, world_size: int):
         self.world_size = world_size
         self._procs: list = []
+        self._store: dist.TCPStore | None = None
         self._case = 0
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
-        port = _free_port()
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        port = self._store.port
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._procs = [
@@ -138,14 +154,29 @@ class World:
     def close(self) -> None:
         """Ends the ranks: asked to leave, then killed after a short shared grace period (a rank tearing down its
         gloo groups, or stuck with a failed peer, must not cost seconds each)."""
+        close_all([self])
+
+    def _leave(self) -> None:
         self._signal(signal.SIGCONT)
         for q, p in zip(self._tasks if self._procs else [], self._procs):
             if p.is_alive():
                 q.put(None)
-        deadline = time.monotonic() + 2
+
+    def _reap(self, deadline: float) -> None:
         for p in self._procs:
             p.join(timeout=max(deadline - time.monotonic(), 0))
             if p.is_alive():
                 p.kill()
                 p.join()
         self._procs = []
+        self._store = None  # the rendezvous store's server ends with the world
+
+
+def close_all(worlds: list[World]) -> None:
+    """Closes the worlds together: all are asked to leave first, then one grace period is shared by all (each world's
+    own period, one after another, was most of the session's teardown: 8.8 s for four worlds)."""
+    for w in worlds:
+        w._leave()
+    deadline = time.monotonic() + LEAVE_GRACE_S
+    for w in worlds:
+        w._reap(deadline)
