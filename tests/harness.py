@@ -5,12 +5,10 @@ feeds them cases through queues. A case is a module-level function called on eve
 values (one per rank) come back to the test. A failing rank's traceback is re-raised in the test; a
 case that fails or hangs tears the world down so the next case starts from a clean one.
 
-Between its cases a rank clears DTensor's sharding-propagation caches (`_forget_dtensor_specs`): torch's DeviceMesh
-equality ignores process groups, so a cached output spec of one case's mesh is handed to a later case whose mesh is
-equal (same ranks, shape and names; its own groups), and the later case's DTensors then reduce over the earlier mesh's
-groups. The numbers are the same (same ranks), but a ledger counting ops on the later mesh's groups came out short
-(measured: test_context_parallel on this world, then 8 of 16 TP all-reduces seen in test_expert_parallel's ledger
-case and 0 of 16 in test_nonlm's ViT case).
+DTensor's sharding-propagation caches live on across cases: torch's DeviceMesh equality ignores process groups, so
+a later case may be handed a spec naming an earlier, equal mesh (same ranks, shape and names) and reduce over that
+mesh's groups: the same ranks, so the same numbers. Only a count per group could tell, and `CommLedger` starts from
+an empty cache for that reason. (Clearing after every case instead cost every case's first propagations again.)
 
 Between its cases a world is stopped (SIGSTOP, `pause`): every gloo process group keeps a transport thread that
 wakes about every 10 ms even when idle, and with tens of groups per rank and several worlds alive, idle ranks
@@ -77,15 +75,7 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
             results.put((case_id, rank, True, fn(*args, **kwargs)))
         except BaseException:  # noqa: BLE001 - everything goes back to the test
             results.put((case_id, rank, False, traceback.format_exc()))
-        _forget_dtensor_specs()
     dist.destroy_process_group()
-
-
-def _forget_dtensor_specs() -> None:
-    """No DTensor spec (and the mesh it names) outlives its case (module docstring)."""
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-    _clear_sharding_prop_cache()
 
 
 class World:
