@@ -51,7 +51,9 @@ def test_a_wrong_split_of_a_fused_projection_fails_the_proof():
     blocks = list(model.transformer.h)
     block, inputs = blocks[0], tp_infer._block_inputs(model, blocks)[0]
     order, want = tp_infer._calls(block, *inputs)
-    attn = next(r for r in tp_infer._regions(order, tp_infer._layers(block), model.config.hidden_size) if r.tops == ("attn",))
+    attn = next(
+        r for r in tp_infer._regions(order, tp_infer._layers(block), model.config.hidden_size) if r.tops == ("attn",)
+    )
     right = {"parts": {"attn.c_attn": 3}, "local": {"attn": ()}}
     assert tp_infer._proven(block, inputs, want, [(attn, right)])
     for wrong in ({**right, "parts": {"attn.c_attn": 1}}, {**right, "local": {}}):  # plain Shard(0); global heads

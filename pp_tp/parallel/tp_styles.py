@@ -196,14 +196,15 @@ _BUILT_IN = {
     # the column conv hands on its channel shard, the row conv all-reduces back to whole channels, like Linear pairs.
     "conv_colwise": TPStyle(lambda: ConvChannelParallel(column=True), sharded_dim=0, dropout="opens"),
     "conv_rowwise": TPStyle(lambda: ConvChannelParallel(column=False), sharded_dim=1, dropout="closes"),
-    # transformers' Conv1D (weight [in, out]; GPT-2) split on its output, whole or per part, or on its input; and an
-    # attention module's head counts and widths made this rank's (pairs inferred for families without a plan:
-    # inferred_styles.py, models/hf/tp_infer.py).
-    "conv1d_colwise": TPStyle(lambda: Conv1DParallel(column=True), dropout="opens"),
-    "conv1d_colwise_packed2": TPStyle(lambda: Conv1DParallel(column=True, parts=2), dropout="opens"),
-    "conv1d_colwise_packed3": TPStyle(lambda: Conv1DParallel(column=True, parts=3), dropout="opens"),
-    "conv1d_rowwise": TPStyle(lambda: Conv1DParallel(column=False), dropout="closes"),
-    "local_heads": TPStyle(LocalHeads, input_only=True, dropout="neutral"),
+    # transformers' Conv1D (weight [in, out]; GPT-2) split on its output (weight dim 1), whole or per part, or on its
+    # input (weight dim 0; its own check when applied); and an attention module's head counts and widths made this
+    # rank's, wherever its layers sit below it (Moshi's q_proj.linear), so not an input-only style (pairs inferred for
+    # families without a plan: inferred_styles.py, models/hf/tp_infer.py).
+    "conv1d_colwise": TPStyle(lambda: Conv1DParallel(column=True), sharded_dim=1, dropout="opens"),
+    "conv1d_colwise_packed2": TPStyle(lambda: Conv1DParallel(True, 2), sharded_dim=1, parts=2, dropout="opens"),
+    "conv1d_colwise_packed3": TPStyle(lambda: Conv1DParallel(True, 3), sharded_dim=1, parts=3, dropout="opens"),
+    "conv1d_rowwise": TPStyle(lambda: Conv1DParallel(column=False), sharded_dim=0, dropout="closes"),
+    "local_heads": TPStyle(LocalHeads, dropout="neutral"),
     # On a gated delta net mixer (linear attention): split by key heads with their value heads, input replicated,
     # out_proj row-parallel, its own checks at apply time (mixer_tp.py); it hands on a replicated activation.
     "gated_delta_net": TPStyle(lambda: HeadSplitMixer(GATED_DELTA_NET), dropout="neutral", splits_mixer=True),

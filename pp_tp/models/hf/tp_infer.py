@@ -76,7 +76,9 @@ def _under(name: str, tops: Iterable[str]) -> bool:
 
 
 def _calls(block: nn.Module, args: tuple, kwargs: dict) -> tuple[list[str], torch.Tensor]:
-    """The names of `block`'s modules in the order their forwards start (first call each), and its output."""
+    """The names of `block`'s modules in the order their forwards start (first call each), and its output (run on a
+    copy: the block itself stays uncalled, so copies of it can still be made)."""
+    block = copy.deepcopy(block)
     order: list[str] = []
     handles = [
         m.register_forward_pre_hook(lambda mod, a, n=n: order.append(n) if n not in order else None)
@@ -244,7 +246,7 @@ def _local_style(names: tuple[str, ...]) -> str:
     """The LocalHeads style slicing `names` (registered on first use: its inputs are the family's)."""
     key = "local_heads" + (f":{','.join(names)}" if names else "")
     if key not in TP_STYLES:
-        register_tp_style(key, TPStyle(lambda: LocalHeads(names), input_only=True, dropout="neutral"))
+        register_tp_style(key, TPStyle(lambda: LocalHeads(names), dropout="neutral"))
     return key
 
 
@@ -297,6 +299,8 @@ def _infer(cls: type, small: Any, path: str, computed: frozenset[str]) -> dict[s
     model = _seeded(cls, small)
     blocks = list(model.get_submodule(path).children())
     inputs = _block_inputs(model, blocks)
+    # copies made before any call: a block keeping state from its last call (RecurrentGemma's recurrence) copies so
+    blocks = [copy.deepcopy(b) for b in _seeded(cls, small).get_submodule(path).children()]
     hidden = model.config.hidden_size
     found: dict[tuple[str, ...], list] = {}  # region tops -> [(block, inputs, want, order, region)]
     for block, ins in zip(blocks, inputs):
