@@ -3,8 +3,8 @@
 The Megatron pairs are inferred from each block's modules and proven on a shrunk copy at tp = 2 (two copies of the
 block with one TP rank's shards each, the row-parallel outputs summed, against the whole block); what no candidate
 proves runs whole on every TP rank. Checked here: the plans inferred for GPT-2 (Conv1D, fused [q|k|v] split per
-part), BLOOM (per-head interleaved fused q/k/v, ALiBi sliced with its heads) and BitNet (a norm between each pair:
-whole); a wrong split of GPT-2's fused projection fails the proof; and GPT-2, OPT, BLOOM, MPT (ALiBi) and StableLM
+part), BLOOM (per-head interleaved fused q/k/v, ALiBi sliced with its heads), BitNet (a norm between each pair:
+whole) and Mamba (no pair: whole, and no head count to check); a wrong split of GPT-2's fused projection fails the proof; and GPT-2, OPT, BLOOM, MPT (ALiBi) and StableLM
 train exactly at pp2 x tp2 (two AdamW steps, the float64 verdict of tests/hf_utils.py's parity case).
 """
 
@@ -16,6 +16,7 @@ from hf_utils import family
 
 from pp_tp.models.hf import tp_infer
 from pp_tp.models.hf.layout import compose
+from pp_tp.parallel.whole_on_tp import splits_attention
 
 # model type -> its tiny build (the default config shrunk by the self-check's rule, dropout off: two builds draw
 # different masks)
@@ -44,6 +45,9 @@ def test_inferred_pairs_of_conv1d_fused_alibi_and_unsplittable_families():
     assert _plan("mpt")["attn"] == "local_heads:position_bias"
     bitnet = compose(family("bitnet").make("meta", layers=2)).tp_plan  # sub-norms between each pair
     assert bitnet == {"mlp": "replicate", "self_attn": "replicate"}, bitnet
+    mamba = family("mamba", "eager", per_layer="lists").make("meta", layers=2)  # x_proj reads the inner width: no pair; no head count to divide
+    layout = compose(mamba)
+    assert layout.tp_plan == {"mixer": "replicate"} and not splits_attention(mamba, layout), layout.tp_plan
 
 
 def test_a_wrong_split_of_a_fused_projection_fails_the_proof():
