@@ -161,9 +161,10 @@ _BUILT_IN = {
         lambda: OwnedRowwise(input_layouts=Replicate(), use_local_output=True), sharded_dim=1, dropout="closes"
     ),
     # nn.Embedding sharded on the vocabulary; each rank looks up its rows, the sum is all-reduced: the output it
-    # hands on is replicated, and its input is token ids, never a sharded activation (neutral).
+    # hands on is replicated, and its input is token ids, never a sharded activation (neutral). Its output a tensor of
+    # its own (OwnedRowwise): CTRL's forward scales the embedding's output in place.
     "vocab_parallel": TPStyle(
-        lambda: RowwiseParallel(input_layouts=Replicate(), use_local_output=True), dropout="neutral"
+        lambda: OwnedRowwise(input_layouts=Replicate(), use_local_output=True), dropout="neutral"
     ),
     # Per part: a Linear packing 2 (gate, up) or 3 equal parts (q, k, v) on its output, each split over TP, so the
     # local output is every part's shard in order (local_styles.py); no gather.
