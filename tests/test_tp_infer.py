@@ -4,8 +4,9 @@ The Megatron pairs are inferred from each block's modules and proven on a shrunk
 block with one TP rank's shards each, the row-parallel outputs summed, against the whole block); what no candidate
 proves runs whole on every TP rank. Checked here: the plans inferred for GPT-2 (Conv1D, fused [q|k|v] split per
 part), BLOOM (per-head interleaved fused q/k/v, ALiBi sliced with its heads), BitNet (a norm between each pair:
-whole) and Mamba (no pair: whole, and no head count to check); a wrong split of GPT-2's fused projection fails the proof; and GPT-2, OPT, BLOOM, MPT (ALiBi) and StableLM
-train exactly at pp2 x tp2 (two AdamW steps, the float64 verdict of tests/hf_utils.py's parity case).
+whole) and Mamba (no pair: whole, and no head count to check); a wrong split of GPT-2's fused projection fails the
+proof; and GPT-2, OPT, BLOOM, MPT (ALiBi) and StableLM train exactly at pp2 x tp2 (two AdamW steps, the float64
+verdict of tests/hf_utils.py's parity case).
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def test_inferred_pairs_of_conv1d_fused_alibi_and_unsplittable_families():
     assert _plan("mpt")["attn"] == "local_heads:position_bias"
     bitnet = compose(family("bitnet").make("meta", layers=2)).tp_plan  # sub-norms between each pair
     assert bitnet == {"mlp": "replicate", "self_attn": "replicate"}, bitnet
-    mamba = family("mamba", "eager", per_layer="lists").make("meta", layers=2)  # x_proj reads the inner width: no pair; no head count to divide
+    # x_proj reads the inner width: no pair; and no head count to divide
+    mamba = family("mamba", "eager", per_layer="lists").make("meta", layers=2)
     layout = compose(mamba)
     assert layout.tp_plan == {"mixer": "replicate"} and not splits_attention(mamba, layout), layout.tp_plan
 
