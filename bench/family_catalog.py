@@ -20,7 +20,6 @@ from transformers.models.auto.modeling_auto import (
 )
 
 import pp_tp
-from pp_tp.models.hf.tp_plan import declared_tp_plan
 
 _EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
 
@@ -113,10 +112,9 @@ MOE_LAYOUTS = {"dp_shard": dict(pp=2, dp_shard=2, tp=1), "ep": dict(pp=2, dp_sha
 
 
 def parallel_config(config: Any, moe_layout: str = "ep") -> pp_tp.ParallelConfig:
-    """pp2 x tp2 for dense families (pp2 x dp_shard2 for those declaring no TP plan); MoE families in `moe_layout`
-    (MOE_LAYOUTS)."""
-    dense = dict(pp=2, dp_shard=1, tp=2) if declared_tp_plan(config) else MOE_LAYOUTS["dp_shard"]
-    shape = MOE_LAYOUTS[moe_layout] if is_moe(config) else dense
+    """pp2 x tp2 for dense families (those declaring no TP plan too: pp_tp infers and proves their pairs, or runs a
+    region it cannot split whole on every TP rank); MoE families in `moe_layout` (MOE_LAYOUTS)."""
+    shape = MOE_LAYOUTS[moe_layout] if is_moe(config) else dict(pp=2, dp_shard=1, tp=2)
     return pp_tp.ParallelConfig(**{"dp_shard": 1, **shape}, schedule="1F1B", microbatches=2, mixed_precision="fp32")
 
 

@@ -10,8 +10,8 @@ those in the seq2seq or masked-LM mappings, are listed as out of scope): its def
 `small_config`, seeded random weights (norm weights near 1, all-zero persistent float buffers such as router biases
 stirred), fp32. On 4 gloo ranks (one world for every family) the model's own forward + backward on an 8 x 16 batch
 is the reference; `build_pipeline` with default options (pp2 x tp2, 1F1B, 2 microbatches; a dense family that
-declares no TP plan pp2 x dp_shard2, since tp > 1 is refused for it by design; MoE families pp2 x dp_shard2 x ep2,
-or `--moe-layout dp_shard` / `tp`) runs one `Pipeline.step` on the
+declares no TP plan too, its pairs inferred and proven by pp_tp or run whole on every TP rank; MoE families pp2 x
+dp_shard2 x ep2, or `--moe-layout dp_shard` / `tp`) runs one `Pipeline.step` on the
 same weights and batch. The loss and every full gradient are judged as pp_tp.parity judges a step (its `judge`):
 against a float64 run of the plain model, the plain fp32 run being the yardstick, so no tolerance is tuned to one
 machine. Each scores err(pipeline, f64) / (FACTOR * err(plain fp32, f64) + floor) and passes at a score <= 1; the

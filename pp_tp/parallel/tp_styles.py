@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from pp_tp.base._torch import local_tensor
 from pp_tp.parallel.declared_tp import ConvChannelParallel
+from pp_tp.parallel.inferred_styles import Conv1DParallel, LocalHeads
 from pp_tp.parallel.local_styles import PackedColwise, ReplicatedPartialGrad, localize_heads, shard_head_params
 from pp_tp.parallel.mixer_tp import GATED_DELTA_NET, MAMBA2, HeadSplitMixer
 
@@ -160,9 +161,10 @@ _BUILT_IN = {
         lambda: OwnedRowwise(input_layouts=Replicate(), use_local_output=True), sharded_dim=1, dropout="closes"
     ),
     # nn.Embedding sharded on the vocabulary; each rank looks up its rows, the sum is all-reduced: the output it
-    # hands on is replicated, and its input is token ids, never a sharded activation (neutral).
+    # hands on is replicated, and its input is token ids, never a sharded activation (neutral). Its output a tensor of
+    # its own (OwnedRowwise): CTRL's forward scales the embedding's output in place.
     "vocab_parallel": TPStyle(
-        lambda: RowwiseParallel(input_layouts=Replicate(), use_local_output=True), dropout="neutral"
+        lambda: OwnedRowwise(input_layouts=Replicate(), use_local_output=True), dropout="neutral"
     ),
     # Per part: a Linear packing 2 (gate, up) or 3 equal parts (q, k, v) on its output, each split over TP, so the
     # local output is every part's shard in order (local_styles.py); no gather.
@@ -195,6 +197,15 @@ _BUILT_IN = {
     # the column conv hands on its channel shard, the row conv all-reduces back to whole channels, like Linear pairs.
     "conv_colwise": TPStyle(lambda: ConvChannelParallel(column=True), sharded_dim=0, dropout="opens"),
     "conv_rowwise": TPStyle(lambda: ConvChannelParallel(column=False), sharded_dim=1, dropout="closes"),
+    # transformers' Conv1D (weight [in, out]; GPT-2) split on its output (weight dim 1), whole or per part, or on its
+    # input (weight dim 0; its own check when applied); and an attention module's head counts and widths made this
+    # rank's, wherever its layers sit below it (Moshi's q_proj.linear), so not an input-only style (pairs inferred for
+    # families without a plan: inferred_styles.py, models/hf/tp_infer.py).
+    "conv1d_colwise": TPStyle(lambda: Conv1DParallel(column=True), sharded_dim=1, dropout="opens"),
+    "conv1d_colwise_packed2": TPStyle(lambda: Conv1DParallel(True, 2), sharded_dim=1, parts=2, dropout="opens"),
+    "conv1d_colwise_packed3": TPStyle(lambda: Conv1DParallel(True, 3), sharded_dim=1, parts=3, dropout="opens"),
+    "conv1d_rowwise": TPStyle(lambda: Conv1DParallel(column=False), sharded_dim=0, dropout="closes"),
+    "local_heads": TPStyle(LocalHeads, dropout="neutral"),
     # On a gated delta net mixer (linear attention): split by key heads with their value heads, input replicated,
     # out_proj row-parallel, its own checks at apply time (mixer_tp.py); it hands on a replicated activation.
     "gated_delta_net": TPStyle(lambda: HeadSplitMixer(GATED_DELTA_NET), dropout="neutral", splits_mixer=True),

@@ -31,12 +31,15 @@ def splits_attention(model: nn.Module, layout: ModelLayout) -> bool:
     """Whether the TP plan splits anything inside some block's attention module (`layout.attention`): only then must
     its heads and KV heads divide by parallel.tp. Attention the plan leaves whole (DeepSeek-V4's, whose single KV
     head no TP degree divides) runs whole on every TP rank, exact. A block without that module counts as split: pp_tp
-    cannot tell which of its rules are attention's, so the head checks stay."""
+    cannot tell which of its rules are attention's, so the head checks stay, unless its plan splits nothing (Mamba's
+    blocks, which run whole on every TP rank)."""
     prefix = layout.attention + "."
     for block in model.get_submodule(layout.blocks).children():
-        if not any(name == layout.attention for name, _ in block.named_modules()):
-            return True
         resolved = verify(block, block_plan(block, layout)).resolved
+        if not any(name == layout.attention for name, _ in block.named_modules()):
+            if any(_splits(s) for s in resolved.values()):
+                return True
+            continue
         if any((rule == layout.attention or rule.startswith(prefix)) and _splits(s) for rule, s in resolved.items()):
             return True
     return False

@@ -37,7 +37,7 @@ from pp_tp.models.hf.randomness import check_randomness
 from pp_tp.models.hf.self_check import self_check
 from pp_tp.models.hf.skipped import skipped_layers, skipping
 from pp_tp.models.hf.threaded import threaded_state, unread
-from pp_tp.models.hf.tp_plan import block_tp_plan
+from pp_tp.models.hf.tp_plan import block_tp_plan, declared_tp_plan
 from pp_tp.parallel.tensor_parallel import rules_present
 
 NO_LIMIT = 1 << 20  # max_seq_len of a family declaring no position limit
@@ -208,7 +208,7 @@ def compose(model: nn.Module) -> ModelLayout:
     ctx = BlockContext(model, rotary, types, block_kwargs, found, computed, pp_plan.mask_dtype)
     pre = tuple(n for n in (found.pre if found is not None else ()) if n not in pp_plan.after_embed)
     attention = next((n for n, m in blocks[0].named_children() if "Attention" in type(m).__name__), "self_attn")
-    tp_plan, tp_refusal = block_tp_plan(model, blocks_key, blocks)
+    tp_plan, tp_refusal = block_tp_plan(model, blocks_key, blocks, pp_plan.computed)
     # The family's plan covers every config of it (dense layers, shared experts, ...): keep what this one has.
     tp_plan = rules_present(tp_plan, blocks)
     tp_refusal = tp_refusal or _kernel_dropout(model) or _computed_refusal(model, pp_plan)
@@ -234,8 +234,9 @@ def compose(model: nn.Module) -> ModelLayout:
 
 
 def _computed_refusal(model: nn.Module, pp_plan: PpPlan) -> str | None:
-    """Layer arguments computed for all heads at once (ALiBi biases) cannot be split over TP ranks by pp_tp."""
-    if not pp_plan.computed:
+    """Layer arguments computed for all heads at once (ALiBi biases) are split with their heads by an inferred plan,
+    whose proof covers them (tp_infer.py); a declared plan's attention styles do not slice them."""
+    if not pp_plan.computed or not declared_tp_plan(model.config):
         return None
     return (
         f"model {type(model).__name__}: its forward hands its layers {sorted(pp_plan.computed)} computed for all "

@@ -30,6 +30,7 @@ from torch import nn
 
 from pp_tp.base.fqn import matches_rule
 from pp_tp.errors import ConfigError
+from pp_tp.models.hf.tp_infer import inferred_block_plan
 from pp_tp.parallel.mixer_tp import GATED_DELTA_NET, MAMBA2, plan_head_split
 from pp_tp.parallel.tp_styles import TP_STYLES
 
@@ -117,15 +118,15 @@ def _is_expert_rule(rule: str, experts: tuple[str, ...]) -> bool:
     return any(rule == e or rule.startswith(e + ".") for e in experts)
 
 
-def block_tp_plan(model: nn.Module, blocks_key: str, blocks: list[nn.Module]) -> tuple[dict[str, str], str | None]:
-    """(block-relative plan, refusal text or None) from the config's base_model_tp_plan for these `blocks`."""
+def block_tp_plan(
+    model: nn.Module, blocks_key: str, blocks: list[nn.Module], computed: frozenset[str] = frozenset()
+) -> tuple[dict[str, str], str | None]:
+    """(block-relative plan, refusal text or None) from the config's base_model_tp_plan for these `blocks`; for a
+    family declaring none, the pairs tp_infer.py infers and proves (`computed`: its per-head layer arguments)."""
     family = type(model).__name__
     declared = declared_tp_plan(model.config)
     if not declared:
-        return {}, (
-            f"model {family} declares no base_model_tp_plan, so pp_tp cannot shard it; set parallel.tp = 1 "
-            "or register a layout with a tp_plan (pp_tp.extend.register_layout)"
-        )
+        return inferred_block_plan(model, blocks, computed)
     plan, by_head, unsupported = _translated(declared, blocks, f"{blocks_key}.*.", block_experts(model, blocks_key))
     if unsupported:
         rule, style = next(iter(unsupported.items()))
