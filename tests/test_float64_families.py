@@ -6,14 +6,15 @@ each step, persistent buffers.
 Why widened: transformers computes parts of some float64 models in fp32 (Gemma 3's and DeepSeek-V3.2's RMSNorm
 `x.float()`, Nemotron-H's norms and `lm_head(...).float()`, Qwen3.5's decay gate and chunked delta rule). Without the
 widening, two float64 builds whose inputs to those casts differ by float64 roundoff agree only to fp32 roundoff
-(measured at pp2 x tp2: Gemma 3 loss 5.1e-9, gradients 1.0e-5; DeepSeek-V3.2 5.4e-9 and 1.7e-6; Qwen3.5-MoE gradients
-1.75e-7), so issue 48's Qwen3.5-MoE finding could not be told from fp32 noise. Widened, with the plain model's
+(measured at pp2 x tp2: Gemma 3 loss 5.1e-9, gradients 1.0e-5; DeepSeek-V3.2 5.4e-9 and 1.7e-6; earlier, Qwen3.5-MoE
+gradients 1.75e-7), so issue 48's Qwen3.5-MoE finding could not be told from fp32 noise. Widened, with the plain model's
 non-persistent buffers computed in float64 as the float64 build computes them (`float64_model`: Gemma 3's embedding
 scale), every case below agrees to ~1e-14 (measured: Gemma 3 9.6e-15, DeepSeek-V3.2 2.7e-14, Nemotron-H 4.8e-15,
 Qwen3.5-MoE 7.1e-14 at pp2 x tp2): the head split of the gated delta net computes what the model computes."""
 
 from __future__ import annotations
 
+import hf_utils as hu
 import parity_utils as pu
 import test_hf_families as hf
 import test_hf_hyper_and_per_layer as hyper
@@ -73,3 +74,33 @@ def test_every_kind_of_layer_equals_the_model_in_float64(world):
         for r in ranks:
             assert set(r) == {"loss", "grads", "params", "buffers"}, (kind, r)
             assert all(err <= BOUND for err, _ in r.values()), (kind, name, kw, r)
+
+
+def _qwen3_5_moe_finding(layers: int) -> object:
+    """Issue 48's Qwen3.5-MoE text: its default config shrunk by the self-check's rule, 4 layers (3 linear-attention,
+    1 full), hidden 64, 4 experts top-2, linear heads 2 key / 4 value of dim 16, conv kernel 4."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from pp_tp.models.hf.self_check import small_config
+
+    config = small_config(CONFIG_MAPPING["qwen3_5_moe_text"]())
+    linear = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
+    types = ["linear_attention"] * (layers - 1) + ["full_attention"]
+    for key, value in dict(linear, num_hidden_layers=layers, layer_types=types, vocab_size=VOCAB).items():
+        setattr(config, key, value)
+    return config
+
+
+FINDING = hu.Family(_qwen3_5_moe_finding)
+FINDING_LAYOUTS = [dict(pp=1, tp=2, dp_shard=2, microbatches=1), dict(pp=2, tp=2, schedule="1F1B", microbatches=2)]
+
+
+def test_qwen3_5_moe_finding_passes_the_fp32_verdict(world):
+    """The fp32 build against the plain fp32 model, judged against the float64 truth run float64 throughout (its
+    decay gate and delta rule no longer fp32 like the plain build's, which made the plain build's distance too small
+    to be a yardstick), two AdamW steps, at both of the finding's layouts."""
+    results = world(4).run(hu.run_families, [(FINDING, kw) for kw in FINDING_LAYOUTS])
+    for per_rank in results:
+        for kw, r in zip(FINDING_LAYOUTS, per_rank):
+            print(kw, r["scores"])
+    hu.assert_exact(results, [("qwen3_5_moe_text", kw) for kw in FINDING_LAYOUTS])
