@@ -26,6 +26,7 @@ import pp_tp
 from pp_tp.layout import layout_for
 from pp_tp.models.reference.model import ModelArgs
 from pp_tp.parity.float64 import BOUND, float64_model, lockstep_float64
+from pp_tp.parity.widen import Float64Throughout
 
 FAMILIES = {**hf.FAMILIES, **mx.FAMILIES, **hyper.FAMILIES}
 TP = dict(pp=2, tp=2, schedule="1F1B", microbatches=2)
@@ -104,3 +105,12 @@ def test_qwen3_5_moe_finding_passes_the_fp32_verdict(world):
         for kw, r in zip(FINDING_LAYOUTS, per_rank):
             print(kw, r["scores"])
     hu.assert_exact(results, [("qwen3_5_moe_text", kw) for kw in FINDING_LAYOUTS])
+
+
+def test_float64_throughout_widens_what_code_asks_in_fp32():
+    x = torch.randn(3, dtype=torch.float64)
+    with Float64Throughout() as mode:
+        assert x.float().dtype == torch.float64 and torch.zeros(2, dtype=torch.float32).dtype == torch.float64
+        assert x.to(torch.bfloat16).dtype == torch.bfloat16  # only fp32 requests
+    assert x.float().dtype == torch.float32  # and only while it is active
+    assert sum(mode.widened.values()) == 2, mode.widened
