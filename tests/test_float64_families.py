@@ -98,8 +98,8 @@ FINDING_LAYOUTS = [dict(pp=1, tp=2, dp_shard=2, microbatches=1), dict(pp=2, tp=2
 
 def test_qwen3_5_moe_finding_passes_the_fp32_verdict(world):
     """The fp32 build against the plain fp32 model, judged against the float64 truth run float64 throughout (its
-    decay gate and delta rule no longer fp32 like the plain build's, which made the plain build's distance too small
-    to be a yardstick), two AdamW steps, at both of the finding's layouts."""
+    decay gate and delta rule no longer fp32 like the plain build's), two AdamW steps, at both of the finding's
+    layouts (measured on these weights: worst grad score 0.19; 0.26 with the fp32-gated truth)."""
     results = world(4).run(hu.run_families, [(FINDING, kw) for kw in FINDING_LAYOUTS])
     for per_rank in results:
         for kw, r in zip(FINDING_LAYOUTS, per_rank):
