@@ -12,6 +12,7 @@ from typing import Any
 import common  # noqa: F401  (puts tests/ on the path: parity_utils)
 import torch
 from family_catalog import default_config, layout_name, parallel_config, text_config_class
+from family_float64 import float64_column
 from parity_utils import batch, mesh_for
 from transformers import AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -117,9 +118,9 @@ def _dropout_keys(config: Any) -> list[str]:
     return sorted(k for k, v in config.to_dict().items() if is_dropout_key(k) and isinstance(v, float) and v > 0)
 
 
-def family_case(model_type: str, moe_layout: str = "ep") -> dict[str, Any]:
+def family_case(model_type: str, moe_layout: str = "ep", float64: bool = False) -> dict[str, Any]:
     """On this rank: the model's own step on the whole batch, in fp32 and in float64, against one Pipeline.step on
-    this rank's share.
+    this rank's share; with `float64`, also the float64 column (bench/family_float64.py).
 
     Every failure comes back as data (`skipped`, `refused` or `error`), so one family never ends the world."""
     try:
@@ -130,6 +131,7 @@ def family_case(model_type: str, moe_layout: str = "ep") -> dict[str, Any]:
     pcfg = parallel_config(config, moe_layout)
     ids, labels = batch(ModelArgs(vocab_size=config.get_text_config().vocab_size), ROWS, SEQ)
     pipelined = copy.deepcopy(model)  # before the reference step, so it holds no gradients
+    fresh = copy.deepcopy(model) if float64 else None  # the float64 column's, built with noise on like `pipelined`
     out: dict[str, Any] = {
         "family": type(model).__name__,
         "layout": layout_name(pcfg),
@@ -162,7 +164,8 @@ def family_case(model_type: str, moe_layout: str = "ep") -> dict[str, Any]:
         judged = judged_step(pipe, loss, plain, truth)
     except Exception as e:  # noqa: BLE001
         return {**out, "error": f"Pipeline.step: {one_line(e)}"}
-    return {**out, **judged, "mixers": mixer_tp(pipe) if pcfg.tp > 1 else "", "params": sorted(plain.params())}
+    out = {**out, **judged, "mixers": mixer_tp(pipe) if pcfg.tp > 1 else "", "params": sorted(plain.params())}
+    return {**out, **float64_column(fresh, pcfg, ids, labels, noise, one_line, _NO_UPDATE)} if fresh else out
 
 
 # The sweep judges one forward + backward; ReferenceRun's step always ends in an optimizer step, this one moves

@@ -3,6 +3,7 @@
     python bench/family_sweep.py                                  # all families, table to stdout
     python bench/family_sweep.py --families llama qwen3_next      # some model types
     python bench/family_sweep.py --out docs/family_sweep.md       # the table to a file too
+    python bench/family_sweep.py --float64 --families llama ...   # with the float64 column (family_float64.py)
 
 For each decoder-only `model_type` of the installed transformers' causal-LM mapping, with a declared
 `base_model_pp_plan` or not (pp_tp then finds the structure from the forward; encoder-decoder and encoder-only types,
@@ -47,16 +48,17 @@ WORLD = 4
 CASE_TIMEOUT_S = 300.0
 
 
-def sweep(names: Sequence[str], world: World, moe_layout: str = "ep") -> list[Row]:
+def sweep(names: Sequence[str], world: World, moe_layout: str = "ep", float64: bool = False) -> list[Row]:
     """Every family in `names` on the `WORLD`-rank `world`, one case each; after a rank crash or an exception
-    inside pp_tp the world restarts, so later families start from clean process groups."""
+    inside pp_tp the world restarts, so later families start from clean process groups. `float64`: the float64
+    column too (bench/family_float64.py)."""
     rows = []
     for i, name in enumerate(names):
         start = time.perf_counter()
         try:
             # A world started by another caller (the tests' session world) has no bench/ on its ranks' path.
             world.run(site.addsitedir, os.path.dirname(os.path.abspath(__file__)))
-            row = classify(name, world.run(family_case, name, moe_layout, timeout=CASE_TIMEOUT_S))
+            row = classify(name, world.run(family_case, name, moe_layout, float64, timeout=CASE_TIMEOUT_S))
         except RankError as e:  # the world is gone already; the next run starts a fresh one
             row = Row(name, class_name(name), "", "wrong", note=f"rank crash: {str(e).splitlines()[0]}")
         row.note = "; ".join(filter(None, (row.note, repair_note(name))))
@@ -72,12 +74,13 @@ def main() -> None:
     parser.add_argument("--families", nargs="+", metavar="MODEL_TYPE", help="model types (default: every family)")
     parser.add_argument("--moe-layout", choices=sorted(MOE_LAYOUTS), default="ep", help="how MoE families run")
     parser.add_argument("--out", help="also write the Markdown table to this file")
+    parser.add_argument("--float64", action="store_true", help="add the float64 column (bench/family_float64.py)")
     a = parser.parse_args()
     names = a.families or families()
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # the ranks inherit it: progress lines stay readable
     world = World(WORLD)
     try:
-        rows = sweep(names, world, a.moe_layout)
+        rows = sweep(names, world, a.moe_layout, a.float64)
     finally:
         world.close()
     text = markdown(rows)

@@ -13,6 +13,7 @@ from family_catalog import class_name, out_of_scope
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from pp_tp.parity import FACTOR, FLOOR_ULPS
+from pp_tp.parity.float64 import BOUND
 from pp_tp.parity.lockstep import Judged
 
 
@@ -28,6 +29,8 @@ class Row:
     grad_score: float | None = None  # the worst full gradient's score, over every rank
     mixers: str = ""
     note: str = ""
+    f64_err: float | None = None  # with --float64: the float64 build's worst relative error against float64 plain
+    f64_name: str = ""  # and its tensor
 
 
 def classify(model_type: str, per_rank: Sequence[dict[str, Any]]) -> Row:
@@ -67,8 +70,21 @@ def classify(model_type: str, per_rank: Sequence[dict[str, Any]]) -> Row:
     )
     row.mixers = first["mixers"]
     row.verdict = "wrong" if problems else "exact"
-    row.note = "; ".join(problems + context)
+    row.note = "; ".join(problems + context + _float64(row, per_rank))
     return row
+
+
+def _float64(row: Row, per_rank: Sequence[dict[str, Any]]) -> list[str]:
+    """The float64 column (bench/family_float64.py) into `row`: the worst error over the ranks (NaN worst) and its
+    tensor; the note's words where it could not run or exceeds BOUND (the fp32 verdict above stays the verdict)."""
+    notes = sorted({r["f64_note"] for r in per_rank if "f64_note" in r})
+    ran = [r for r in per_rank if "f64_err" in r]
+    if ran:
+        worst = max(ran, key=lambda r: float("inf") if r["f64_err"] != r["f64_err"] else r["f64_err"])
+        row.f64_err, row.f64_name = worst["f64_err"], worst["f64_name"]
+        if not row.f64_err <= BOUND:
+            notes.append(f"float64 {row.f64_err:.1e} off float64 plain on {row.f64_name}")
+    return notes
 
 
 def _off(what: str, j: Judged) -> str:
@@ -88,11 +104,15 @@ def markdown(rows: Sequence[Row]) -> str:
         "| family | model type | layout | verdict | loss score | worst grad score | TP of mixers | note |",
         "|---|---|---|---|---|---|---|---|",
     ]
+    f64 = any(r.f64_err is not None for r in rows)  # the float64 column, where --float64 ran
+    if f64:
+        lines[-2:] = [lines[-2][: -len(" note |")] + " float64 err | note |", "|---" * 9 + "|"]
     for r in rows:
         note = r.note.replace("|", "\\|").replace("\n", " ")
+        col = f"| {'' if r.f64_err is None else f'{r.f64_err:.1e}'} " if f64 else ""
         lines.append(
             f"| {r.family} | {r.model_type} | {r.layout} | {r.verdict} | {fmt(r.loss_score)} | {fmt(r.grad_score)} "
-            f"| {r.mixers} | {note} |"
+            f"| {r.mixers} {col}| {note} |"
         )
     counts = Counter(r.verdict for r in rows)
     lines.append("")

@@ -61,6 +61,8 @@ def build_pipeline(
     opts = BuildOptions.of(options, keywords)
     if pcfg.dtype == "float64":
         model.to(torch.float64)  # in place, before anything reads it: every floating tensor (integer buffers stay)
+        if hasattr(model, "set_experts_implementation"):  # transformers' grouped_mm refuses float64: its eager loop
+            model.set_experts_implementation("eager")
     pp_rank, device = mesh.get_local_rank("pp"), rank_device(mesh)
     tied = tied_names(model)  # before the stages are materialized, which unties the shared modules
     skeleton = meta_skeleton(model) if opts.loss_fn is not None else None  # boundary shapes are inferred on it

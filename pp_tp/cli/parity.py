@@ -9,8 +9,9 @@ masks differ by design) and the output says so. Rank 0 prints one row per step w
 says whether all rows passed.
 
 `--float64` (parallel.dtype = "float64"): the pipelined build itself in float64 against the plain model in float64,
-per tensor within pp_tp.parity.float64.BOUND, no fp32 run involved (pp_tp/parity/float64.py); rank 0 prints each
-step's worst relative error per kind and the worst tensor of each kind.
+per tensor within pp_tp.parity.float64.BOUND, no fp32 run involved (pp_tp/parity/float64.py; what the model's own
+code asks in fp32 runs in float64 in both, pp_tp/parity/widen.py); rank 0 prints each step's worst relative error per
+kind and the worst tensor of each kind.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from pp_tp.models.hf.randomness import noise_keys, switch_off_noise
 from pp_tp.parallel.mesh import init_distributed
 from pp_tp.parallel.rng import switch_off_dropout
 from pp_tp.parity import FACTOR, FLOOR_ULPS, PipelineRun, ReferenceRun, StepDiff, lockstep
-from pp_tp.parity.float64 import BOUND, Worst, lockstep_float64
+from pp_tp.parity.float64 import BOUND, Worst, float64_model, lockstep_float64
 from pp_tp.runtime.loss import SumLoss
 from pp_tp.train.sources import make_source
 
@@ -75,10 +76,9 @@ def run_parity(cfg: JobConfig, steps: int) -> int:
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     float64 = cfg.parallel.dtype == "float64"
     if float64:  # transformers' grouped_mm experts refuse float64: their eager loop in both builds
-        for m in (model, meta):
-            if hasattr(m, "set_experts_implementation"):
-                m.set_experts_implementation("eager")
-        model.to(torch.float64)  # build_pipeline turns `meta` float64 itself
+        if hasattr(meta, "set_experts_implementation"):
+            meta.set_experts_implementation("eager")
+        float64_model(model, layout)  # build_pipeline turns `meta` float64 itself
     t = cfg.training
     pipe = pp_tp.build_pipeline(meta, mesh, cfg.parallel, state_dict=state, loss_fn=t.loss or None)
     # draws beyond dropout (router jitter): built with them on, so pp_tp's checks see them; compared without them
@@ -119,6 +119,7 @@ def _float64(run: PipelineRun, ref: ReferenceRun, batches: Iterator) -> int:
     passed = all(err <= BOUND for err, _ in worst.values())
     if dist.get_rank() == 0:
         lines += [f"worst {k}: {err:.2e} {name}" for k, (err, name) in worst.items()]
+        lines.append("both builds float64 throughout: what the model's own code asks in fp32 ran in float64")
         lines.append(
             f"float64 pipeline vs float64 plain model: per tensor max relative error <= {BOUND:g}: "
             + ("ok" if passed else "FAIL")

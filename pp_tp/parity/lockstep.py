@@ -39,6 +39,7 @@ from pp_tp.base.tensors import full_tensor, persistent_buffers
 from pp_tp.parallel.grads import clip_grad_norm_
 from pp_tp.parallel.mesh import dp_rank, dp_size
 from pp_tp.parity.shared import load_on, owners, step_on
+from pp_tp.parity.widen import Float64Throughout
 from pp_tp.runtime.loss import SumLoss, target_count
 from pp_tp.runtime.pipeline import Pipeline
 
@@ -80,16 +81,18 @@ LossOf = Callable[..., torch.Tensor]
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+def _default_dtype(dtype: torch.dtype, widen: bool) -> Iterator[None]:
     """float64 as torch's default dtype while a float64 model runs: tensors its own code makes without a dtype
-    (XGLM's mask fill) are then float64 too, as the truth needs."""
+    (XGLM's mask fill) are then float64 too, as the truth needs; with `widen`, so are those it asks in fp32
+    (pp_tp/parity/widen.py)."""
     if dtype != torch.float64:
         yield
         return
     before = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        yield
+        with Float64Throughout() if widen else contextlib.nullcontext():
+            yield
     finally:
         torch.set_default_dtype(before)
 
@@ -97,7 +100,11 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 class ReferenceRun:
     """The model in one process: each step zero_grad, mean token loss (or `loss`'s sum over its normalizer, or
     `loss_of(model, ids, labels, *extra)`) on the whole batch, backward, clip (with `max_norm`, torch's
-    clip_grad_norm_), optimizer step."""
+    clip_grad_norm_), optimizer step. A float64 model runs float64 throughout (`widen`): the casts to fp32 its own
+    code makes (transformers' norms, rotary tables, gated-delta-net gates) are float64 too, else the truth would carry
+    the same fp32 roundoff as the plain fp32 build it judges and measure its distance too small (issue 48)."""
+
+    widen = True
 
     def __init__(
         self,
@@ -129,7 +136,7 @@ class ReferenceRun:
         ids, labels, *extra = (
             t.to(param.device, param.dtype if t.is_floating_point() else t.dtype) for t in (ids, labels, *extra)
         )
-        with _default_dtype(param.dtype):
+        with _default_dtype(param.dtype, self.widen):
             if self.loss_of is not None:
                 loss = self.loss_of(self.model, ids, labels, *extra)
             elif self.loss is None:
