@@ -97,7 +97,7 @@ def _verdict(record: Record) -> Noise | str | None:
     did do two seeds' forwards decide."""
     cls, config = record.cls, without_dropout(record.small)
     try:
-        if not record.train()[2] or not _draws(cls, config):
+        if not record.train()[1] or not _draws(cls, config):
             return None
     except Exception:  # noqa: BLE001 - a copy that cannot run here is the self-check's to refuse, not this check's
         return None
@@ -129,7 +129,7 @@ def _region_draw(events: tuple[Event, ...], styles: dict[str, str]) -> str | Non
 
 def _tp_refusal(model: nn.Module, layout: ModelLayout, noise: Noise, record: Record) -> str | None:
     """Why parallel.tp > 1 cannot hold the noise (a draw inside a region under the layout's TP plan), or None."""
-    events = record.train()[1]
+    events = record.train()[0]
     for i, layer in enumerate(record.model.get_submodule(layout.blocks).children()):
         styles = verify(layer, block_plan(layer, layout)).resolved
         drawer = _region_draw(_layer_events(events, f"{layout.blocks}.{i}"), styles)

@@ -4,12 +4,13 @@ Everything pp_tp learns about a family by running it comes from a `Record`, one 
 transformers version): the small copy (small.py) built once, seeded, fp32, CPU, with every dropout rate 0; one eval
 forward on seeded ids with a pre- and post-hook on every module, which records each call (module, arguments,
 output, in the order calls return); and, on an untouched copy in training mode with spread values (randomness.py),
-one training forward recording the same calls and where the CPU generator advanced. The detectors are functions of
-it: structure (discover.py), what each layer is handed (handed.py), the head path (head_path.py), threaded state
-(threaded.py), grouped experts (experts.py), randomness (randomness.py); what they derive, and what the probes of a
-single module (routers, packed experts) and the self-check find for the family, is kept in the record's `memo`, so
-nothing else in the adapter caches. The caller's RNG state is never touched. `run_until` runs a stand-in's forward
-until given modules are reached (the prologue replays of prelayer.py, discover.ComputedInputs, position_args.py).
+one training forward recording the order of module calls and where the CPU generator advanced. The detectors are
+functions of it: structure (discover.py), what each layer is handed (handed.py), the head path (head_path.py),
+threaded state (threaded.py), grouped experts (experts.py), randomness (randomness.py); what they derive, and what the
+probes of a single module (routers, packed experts) and the self-check find for the family, is kept in the record's
+`memo`, so nothing else in the adapter caches. The caller's RNG state is never touched. `run_until` runs a stand-in's
+forward until given modules are reached (the prologue replays of prelayer.py, discover.ComputedInputs,
+position_args.py).
 """
 
 from __future__ import annotations
@@ -172,7 +173,7 @@ class Record:
             except Exception as e:  # noqa: BLE001 - each detector says what a copy that does not run means to it
                 self.error = e
         self.calls = hooks.calls
-        self._train: tuple[list[Call], list[Event], bool] | Exception | None = None
+        self._train: tuple[list[Event], bool] | Exception | None = None
 
     def copy(self) -> nn.Module:
         """A fresh copy of the seeded small model (eval), for a check that changes values."""
@@ -184,9 +185,9 @@ class Record:
             self.memo[key] = compute()
         return self.memo[key]
 
-    def train(self) -> tuple[list[Call], list[Event], bool]:
-        """The training forward (spread values, seed 1, every dropout rate 0): its calls, its events, and whether the
-        generator advanced at all; raises what the forward raised."""
+    def train(self) -> tuple[list[Event], bool]:
+        """The training forward (spread values, seed 1, every dropout rate 0): its events, and whether the generator
+        advanced at all; raises what the forward raised. Its calls are not kept (nothing reads them)."""
         if self._train is None:
             model = spread_copy(self._pristine)
             shape, gen = (TRAIN_ROWS, TRAIN_SEQ), torch.Generator().manual_seed(0)
@@ -196,7 +197,7 @@ class Record:
                     torch.manual_seed(1)
                     before = torch.get_rng_state()
                     model(input_ids=ids, use_cache=False)
-                    self._train = (hooks.calls, hooks.events or [], not torch.equal(before, torch.get_rng_state()))
+                    self._train = (hooks.events or [], not torch.equal(before, torch.get_rng_state()))
             except Exception as e:  # noqa: BLE001 - re-raised to the detector asking
                 self._train = e
         if isinstance(self._train, Exception):
