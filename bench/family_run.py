@@ -20,8 +20,10 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 import pp_tp
 from pp_tp.base.tensors import full_tensor, persistent_buffers
 from pp_tp.errors import ConfigError
-from pp_tp.models.hf.randomness import is_dropout_key, noise_keys, switch_off_noise
-from pp_tp.models.hf.self_check import small_config, stir_zero_buffers
+from pp_tp.models.hf.randomness import noise_keys, switch_off_noise
+from pp_tp.models.hf.record import is_dropout_key
+from pp_tp.models.hf.self_check import stir_zero_buffers
+from pp_tp.models.hf.small import small_config
 from pp_tp.models.reference.model import ModelArgs
 from pp_tp.parallel.tensor_parallel import block_plan
 from pp_tp.parallel.tp_styles import TP_STYLES

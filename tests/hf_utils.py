@@ -74,7 +74,7 @@ def _shrunk(model_type: str, per_layer: str, extra: dict, layers: int) -> Any:
     (`per_layer="kinds"`) or every per-layer list cycled as it stands (`"lists"`: layer types, MLP types, ...)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from pp_tp.models.hf.self_check import small_config
+    from pp_tp.models.hf.small import small_config
 
     config = small_config(CONFIG_MAPPING[model_type]())
     n = config.num_hidden_layers

@@ -25,6 +25,8 @@ from pp_tp.base.tensors import persistent_buffers
 from pp_tp.errors import ConfigError
 from pp_tp.models.hf import self_check
 from pp_tp.models.hf.layout import compose
+from pp_tp.models.hf.record import Record
+from pp_tp.models.hf.small import small_config
 from pp_tp.preflight.verdict import agreed
 
 DP = dict(pp=2, dp_shard=2)
@@ -185,12 +187,12 @@ def test_a_crash_on_one_rank_ends_every_rank_with_its_name(world):
 
 def test_the_self_check_is_deterministic_and_leaves_the_rng_alone():
     with torch.device("meta"):
-        model = T.AutoModelForCausalLM.from_config(self_check.small_config(T.DeepseekV3Config()))
-    small = self_check.small_config(model.config)
+        model = T.AutoModelForCausalLM.from_config(small_config(T.DeepseekV3Config()))
+    small = small_config(model.config)
     assert (small.head_dim, small.qk_head_dim) == (small.qk_rope_head_dim, 16)  # MLA dims stay consistent
     torch.manual_seed(123)
     before = torch.get_rng_state()
-    verdicts = {self_check._verdict(type(model), small, compose) for _ in "ab"}
+    verdicts = {self_check._verdict(Record(type(model), small), compose) for _ in "ab"}  # two records, built afresh
     assert torch.equal(torch.get_rng_state(), before)
     assert verdicts == {None}
 
@@ -198,7 +200,7 @@ def test_the_self_check_is_deterministic_and_leaves_the_rng_alone():
 def test_an_unsupported_tp_style_is_named_without_blaming_experts():
     from pp_tp.models.hf.tp_plan import block_tp_plan
 
-    config = self_check.small_config(T.LlamaConfig())
+    config = small_config(T.LlamaConfig())
     config.base_model_tp_plan = {**config.base_model_tp_plan, "layers.*.self_attn": "mystery_rule"}
     with torch.device("meta"):
         model = T.AutoModelForCausalLM.from_config(config)

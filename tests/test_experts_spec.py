@@ -90,7 +90,7 @@ def test_non_gated_experts_record_and_a_storage_no_split_keeps():
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     from pp_tp.models.hf.experts import experts_spec
-    from pp_tp.models.hf.self_check import small_config
+    from pp_tp.models.hf.small import small_config
     from pp_tp.models.hf.tp_plan import block_tp_plan
 
     def record_and_refusal(model_type: str) -> tuple[ExpertsSpec, str | None]:

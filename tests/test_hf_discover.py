@@ -236,7 +236,7 @@ def test_beam_full_layers_get_their_query_scale_from_the_position_ids():
     from pp_tp.models.hf.handed import handed
     from pp_tp.models.hf.position_args import position_args
 
-    model = T.BeamForCausalLM(pp_tp.models.hf.self_check.small_config(T.BeamConfig(**IDS)))
+    model = T.BeamForCausalLM(pp_tp.models.hf.small.small_config(T.BeamConfig(**IDS)))
     found = handed(model, "layers")
     types = layer_types_of(found.config, len(found.layers))
     stand_in, keys = position_args(model, found, types, set(SUPPLIED))

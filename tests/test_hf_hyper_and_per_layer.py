@@ -29,7 +29,7 @@ from pp_tp.errors import ConfigError
 from pp_tp.layout import layout_for
 from pp_tp.models.hf.extras import after_embed, after_head
 from pp_tp.models.hf.layout import _dims
-from pp_tp.models.hf.self_check import small_config
+from pp_tp.models.hf.small import small_config
 
 GEMMA4 = dict(  # over test_hf_families.BASE
     head_dim=8,

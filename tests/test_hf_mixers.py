@@ -18,7 +18,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from pp_tp.errors import ConfigError
 from pp_tp.layout import layout_for
-from pp_tp.models.hf.self_check import small_config
+from pp_tp.models.hf.small import small_config
 
 MIXERS = (
     "qwen3_next",

@@ -4,7 +4,6 @@ from the batch's shape such as ALiBi biases), built once per microbatch and shar
 
 from __future__ import annotations
 
-import functools
 import inspect
 from typing import Any
 
@@ -53,6 +52,7 @@ class BlockContext:
         self.layer_types = layer_types  # id(block) -> layer type
         self.masks = LayerMasks(model, layer_types.values())
         self.block_kwargs = block_kwargs
+        self.required: dict[type, tuple[str, ...]] = {}  # per layer class, its arguments without default
         self.per_type_rotary = (
             rotary is not None and "layer_type" in inspect.signature(model.get_submodule(rotary).forward).parameters
         )
@@ -155,7 +155,9 @@ class BlockContext:
             kwargs["position_embeddings"] = embeddings.get(kind) if per_layer else embeddings
             kwargs["position_embeddings"] = None if kind in self.no_rotary else kwargs["position_embeddings"]
         given = {k: v for k, v in kwargs.items() if k in self.block_kwargs}
-        out = block(h, **{**dict.fromkeys(_required_of(type(block))), **given})
+        if type(block) not in self.required:
+            self.required[type(block)] = _required_of(type(block))
+        out = block(h, **{**dict.fromkeys(self.required[type(block)]), **given})
         return out[0] if isinstance(out, (tuple, list)) else out  # GPT-1's blocks return a list
 
 
@@ -164,7 +166,6 @@ def _batch_rows(tables: Any, rows: int) -> bool:
     return any(isinstance(t, torch.Tensor) and t.dim() > 2 and t.shape[0] == rows for t in tree_flatten(tables)[0])
 
 
-@functools.cache
 def _required_of(cls: type) -> tuple[str, ...]:
     """A layer class's arguments without default beyond the hidden state: one the block context does not supply is
     None (Falcon's `alibi` without ALiBi), as the family's forward passes it; the self-check proves the composition."""

@@ -26,8 +26,8 @@ from torch import nn
 
 from pp_tp.errors import ConfigError
 from pp_tp.models.hf.prelayer import Replay, replay_for, replay_target
-from pp_tp.models.hf.self_check import small_config
-from pp_tp.models.hf.trace import SEQ, Call, bound_arguments, seeded_copy, trace
+from pp_tp.models.hf.record import SEQ, Call, Record, record_of, run_until
+from pp_tp.models.hf.trace import bound_arguments, trace
 
 # What pp_tp's block context hands a layer (pp_tp/models/hf/layout.py:BlockContext.call); any other argument the
 # family's forward passes a layer must be None or False.
@@ -159,30 +159,14 @@ def same(a: Any, b: Any) -> bool:
     return False
 
 
-class _Reached(Exception):
-    """Raised by the first layer's pre-hook: its arguments are known, the rest of the forward is not needed."""
-
-    def __init__(self, passed: dict[str, Any]):
-        super().__init__()
-        self.passed = passed
-
-
 def first_layer_inputs(model: nn.Module, plan: PpPlan, ids: torch.Tensor) -> dict[str, Any]:
     """The arguments `model`'s own forward hands its first layer for `ids`, by name; the forward stops there."""
     layer = model.get_submodule(f"{plan.base}.{plan.blocks}")[0]
-
-    def stop(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        raise _Reached(bound_arguments(module, args, kwargs)[0])
-
-    handle = layer.register_forward_pre_hook(stop, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            model(input_ids=ids, use_cache=False)
-    except _Reached as reached:
-        return reached.passed
-    finally:
-        handle.remove()
-    raise _refuse(model, f"its forward does not reach {plan.base}.{plan.blocks}.0")
+    with torch.no_grad():
+        reached = run_until(model, {layer: 0}, input_ids=ids, use_cache=False)
+    if not reached:
+        raise _refuse(model, f"its forward does not reach {plan.base}.{plan.blocks}.0")
+    return bound_arguments(layer, reached[0].args, reached[0].kwargs)[0]
 
 
 def stand_in_config(small: Any, heads: int, kv_heads: int | None) -> Any:
@@ -198,11 +182,14 @@ def stand_in_config(small: Any, heads: int, kv_heads: int | None) -> Any:
     return config
 
 
-def _prove_shape_only(model: nn.Module, small: Any, plan: PpPlan, ids: torch.Tensor) -> None:
+def _prove_shape_only(record: Record, plan: PpPlan) -> None:
     """Refuses unless each computed layer argument (ALiBi biases) depends on the microbatch's shape only: equal on
     another copy of other weights and head width, for other token ids of the same shape, in training mode (so no
-    dropout of the config's touches it)."""
-    want = first_layer_inputs(model, plan, ids)
+    dropout of the config's touches it), to what the recorded forward handed its first layer."""
+    model, small, ids = record.model, record.small, record.ids
+    layer = model.get_submodule(f"{plan.base}.{plan.blocks}")[0]
+    first = next(c for c in record.calls if c.module is layer)
+    want = bound_arguments(layer, first.args, first.kwargs)[0]
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(1)
@@ -234,7 +221,7 @@ class ComputedInputs:
         self._values: dict[tuple[Any, ...], dict[str, torch.Tensor]] = {}
         try:  # run once here, so a stand-in that cannot run is refused before any collective, not inside a step
             self.config = stand_in_config(
-                small_config(c), c.num_attention_heads, getattr(c, "num_key_value_heads", None)
+                record_of(model).small, c.num_attention_heads, getattr(c, "num_key_value_heads", None)
             )
             self(torch.zeros(1, 2, 1))
         except Exception as e:  # noqa: BLE001
@@ -320,20 +307,10 @@ def discovery_base(model: nn.Module) -> str:
     return name
 
 
-_FOUND: dict[tuple[type, str], PpPlan | str] = {}
-
-
 def discover(model: nn.Module) -> PpPlan:
-    """The structure of `model`'s family from one traced forward of a small copy (cached); refused in one line
-    where the calls do not show embedding -> layers -> norm."""
-    small = small_config(model.config)
-    key = (type(model), small.to_json_string(use_diff=False))  # the attention implementation included
-    if key not in _FOUND:
-        try:
-            _FOUND[key] = _discover(type(model), small)
-        except ConfigError as e:
-            _FOUND[key] = str(e)
-    found = _FOUND[key]
+    """The structure of `model`'s family from its recorded forward (record.py); refused in one line where the calls
+    do not show embedding -> layers -> norm."""
+    found = record_of(model).derived("discover", lambda: _found(record_of(model)))
     if isinstance(found, str):
         raise ConfigError(found)
     base = discovery_base(model)
@@ -341,16 +318,23 @@ def discover(model: nn.Module) -> PpPlan:
     return dataclasses.replace(found, base=base, replay=replay)
 
 
-def _discover(cls: type, small: Any) -> PpPlan:
-    model, ids = seeded_copy(cls, small)
-    base = model.get_submodule(discovery_base(model))
+def _found(record: Record) -> PpPlan | str:
+    """The structure the record shows, or the refusal's line."""
     try:
-        calls = trace(model, base, ids)
-    except Exception as e:  # noqa: BLE001 - a family whose small copy does not run cannot be traced: refused
-        raise _refuse(model, f"its 2-layer copy did not run ({type(e).__name__}: {str(e)[:120]})") from None
+        return _discover(record)
+    except ConfigError as e:
+        return str(e)
+
+
+def _discover(record: Record) -> PpPlan:
+    model, ids, e = record.model, record.ids, record.error
+    if e is not None:  # a family whose small copy does not run cannot be traced: refused
+        raise _refuse(model, f"its 2-layer copy did not run ({type(e).__name__}: {str(e)[:120]})")
+    base = model.get_submodule(discovery_base(model))
+    calls = trace(record, discovery_base(model))
     plan = dataclasses.replace(_analyse(model, base, calls, ids), base=discovery_base(model))
     if plan.computed:
-        _prove_shape_only(model, small, plan, ids)
+        _prove_shape_only(record, plan)
     return plan
 
 

@@ -19,27 +19,23 @@ each expert's row group run through that expert's weights alone.
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Callable
-from functools import partial
 
 import torch
 from torch import nn
 
 from pp_tp.base._torch import swap_parameters
-from pp_tp.base.forward import without_cache
 from pp_tp.layout import ExpertsSpec, PackedSwiGLU
+from pp_tp.models.hf.record import Record, record_of
 from pp_tp.models.hf.routers import block_routers
-from pp_tp.models.hf.self_check import small_config
 from pp_tp.models.hf.tp_plan import block_experts
-from pp_tp.models.hf.trace import seeded_copy
 from pp_tp.parallel.tensor_parallel import matches_rule
 
 _BIAS = "e_score_correction_bias"
 _GATE_UP, _UP, _DOWN = "gate_up_proj", "up_proj", "down_proj"
 _ROWS = 4  # probe rows per expert
-_PROBES: dict[tuple[type, str], tuple[bool, PackedSwiGLU | None]] = {}
-_GROUPED: dict[tuple[type, str, tuple[str, ...]], tuple[str, ...]] = {}
 
 
 def experts_spec(model: nn.Module, blocks_key: str, blocks: list[nn.Module]) -> ExpertsSpec | None:
@@ -52,7 +48,7 @@ def experts_spec(model: nn.Module, blocks_key: str, blocks: list[nn.Module]) -> 
     if not found:
         return None
     module = found[0]
-    dense, weights = (False, None) if grouped else _probed(module, model.config)
+    dense, weights = (False, None) if grouped else _probed(module, model)
     return ExpertsSpec(
         modules=modules,
         n_experts=next(iter(module.parameters())).shape[0],  # transformers keeps the expert on dim 0
@@ -78,17 +74,14 @@ def _count_attr(module: nn.Module) -> str | None:
 
 
 def _grouped_experts(model: nn.Module, blocks_key: str, blocks: list[nn.Module]) -> tuple[str, ...]:
-    """Block-relative names of the undeclared experts modules the grouped probe proves (cached per class and
-    small config)."""
+    """Block-relative names of the undeclared experts modules the grouped probe proves (kept in the family's
+    record)."""
     names = tuple(sorted({n for b in blocks for n, m in b.named_modules() if n and _grouped_shaped(m)}))
     if not names:
         return ()
-    small = small_config(model.config)
+    record = record_of(model)
     path = next(n for n, m in model.named_modules() if m is blocks[0]).rpartition(".")[0]  # blocks_key's full path
-    key = (type(model), small.to_json_string(use_diff=False), names)
-    if key not in _GROUPED:
-        _GROUPED[key] = _prove_grouped(type(model), small, path, names)
-    return _GROUPED[key]
+    return record.derived(("grouped", names), lambda: _prove_grouped(record, path, names))
 
 
 def _grouped_shaped(module: nn.Module) -> bool:
@@ -105,29 +98,31 @@ def _grouped_shaped(module: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def _prove_grouped(cls: type, small, blocks: str, names: tuple[str, ...]) -> tuple[str, ...]:
-    """The `names` whose module, in the small copy's own forward, is called as grouped experts."""
+def _prove_grouped(record: Record, blocks: str, names: tuple[str, ...]) -> tuple[str, ...]:
+    """The `names` whose module, in the family's recorded forward, is called as grouped experts: its first call
+    (in the first block holding it), rerun on a copy of the module with random values N(0, 0.5)."""
+    if record.error is not None:  # a copy the probe cannot run proves nothing
+        return ()
+    watched = set(names) | {n.rpartition(".")[0] for n in names}  # the experts and the modules around them
+    modules: dict[str, nn.Module] = {}
+    for block in record.model.get_submodule(blocks).children():
+        for n, m in block.named_modules():
+            if n in watched:
+                modules.setdefault(n, m)
+    by_module = {id(m): n for n, m in modules.items()}
     calls: dict[str, tuple] = {}
+    for call in record.calls:  # in the order calls returned: a module's calls in the order it was called
+        if id(call.module) in by_module:
+            calls.setdefault(by_module[id(call.module)], call.args)  # the first (called twice: mixture of heads)
     try:
         with torch.random.fork_rng(devices=[]):
-            model, ids = seeded_copy(cls, small)
             torch.manual_seed(0)
-            for p in model.parameters():
-                p.normal_(0.0, 0.5)
-        watched = set(names) | {n.rpartition(".")[0] for n in names}  # the experts and the modules around them
-        modules: dict[str, nn.Module] = {}
-        for block in model.get_submodule(blocks).children():
-            for n, m in block.named_modules():
-                if n in watched:
-                    modules.setdefault(n, m)
-        hooks = [m.register_forward_pre_hook(partial(_record, calls, n)) for n, m in modules.items()]
-        try:
-            model(input_ids=ids, **without_cache(model))
-        finally:
-            for h in hooks:
-                h.remove()
-        return tuple(n for n in names if _called(calls, n) and _groups_per_expert(modules[n], *calls[n]))
-    except Exception:  # noqa: BLE001 - a copy the probe cannot run proves nothing
+            spread = {n: copy.deepcopy(modules[n]) for n in names if _called(calls, n)}
+            for module in spread.values():
+                for p in module.parameters():
+                    p.normal_(0.0, 0.5)
+        return tuple(n for n in names if n in spread and _groups_per_expert(spread[n], *calls[n]))
+    except Exception:  # noqa: BLE001 - a module the probe cannot run proves nothing
         return ()
 
 
@@ -135,10 +130,6 @@ def _called(calls: dict[str, tuple], name: str) -> bool:
     """Called with two arguments, and so is the module around it (its FSDP unit under expert parallel runs on
     that module's forward: JetMoE's attention experts sit in a module called only through other methods)."""
     return len(calls.get(name, ())) == 2 and ("." not in name or name.rpartition(".")[0] in calls)
-
-
-def _record(calls: dict[str, tuple], name: str, module: nn.Module, args: tuple) -> None:
-    calls.setdefault(name, args)  # the first call (the mixture of attention heads calls its experts twice)
 
 
 def _groups_per_expert(module: nn.Module, rows: torch.Tensor, counts) -> bool:
@@ -196,17 +187,15 @@ def _candidates(module: nn.Module) -> list[PackedSwiGLU]:
     ]
 
 
-def _probed(module: nn.Module, config) -> tuple[bool, PackedSwiGLU | None]:
-    """(dense calling convention, packed weights or None), proven on a small CPU copy where not declared; cached."""
+def _probed(module: nn.Module, model: nn.Module) -> tuple[bool, PackedSwiGLU | None]:
+    """(dense calling convention, packed weights or None), proven on a small CPU copy where not declared (kept in
+    the family's record)."""
     dense = len(inspect.signature(module.forward).parameters) == 1
     candidates = _candidates(module)
     if not dense and (_declared(module) or not candidates):
         return False, candidates[0] if candidates else None
-    small = small_config(config)
-    key = (type(module), small.to_json_string(use_diff=False))
-    if key not in _PROBES:
-        _PROBES[key] = _probe(type(module), small, dense, candidates)
-    return _PROBES[key]
+    record = record_of(model)
+    return record.derived(("experts", type(module)), lambda: _probe(type(module), record.small, dense, candidates))
 
 
 @torch.no_grad()

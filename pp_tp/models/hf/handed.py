@@ -14,8 +14,8 @@ from torch import nn
 from pp_tp.models.hf.discover import embed_name, embedding_parent
 from pp_tp.models.hf.extras import after_embed
 from pp_tp.models.hf.prelayer import hidden_input, replay_target
-from pp_tp.models.hf.self_check import small_config
-from pp_tp.models.hf.trace import Call, bound_arguments, seeded_copy, trace
+from pp_tp.models.hf.record import Call, Record, record_of
+from pp_tp.models.hf.trace import bound_arguments, trace
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,28 +44,24 @@ class Handed:
         return self.ids_shape[1]
 
 
-_HANDED: dict[tuple[type, str, str], Handed | None] = {}
-
-
 def handed(model: nn.Module, blocks: str) -> Handed | None:
     """What `model`'s family hands the layers of its list `blocks` (relative to the module holding the input
-    embedding), from one traced forward of the small copy (cached); None where the copy does not run (the
-    self-check then refuses the family)."""
-    small = small_config(model.config)
-    key = (type(model), small.to_json_string(use_diff=False), blocks)
-    if key not in _HANDED:
-        _HANDED[key] = _handed(type(model), small, blocks)
-    return _HANDED[key]
+    embedding), read off its recorded forward (record.py); None where the copy does not run (the self-check then
+    refuses the family)."""
+    record = record_of(model)
+    return record.derived(("handed", blocks), lambda: _handed(record, blocks))
 
 
-def _handed(cls: type, small: Any, blocks: str) -> Handed | None:
-    model, ids = seeded_copy(cls, small)
+def _handed(record: Record, blocks: str) -> Handed | None:
+    model, ids, small = record.model, record.ids, record.small
     base = model.get_submodule(embedding_parent(model))
     try:
-        calls = trace(model, base, ids)
         layers = list(base.get_submodule(blocks))
     except Exception:  # noqa: BLE001 - a copy that does not run is the self-check's to refuse
         return None
+    if record.error is not None:
+        return None
+    calls = trace(record, embedding_parent(model))
     names = {f"{blocks}.{k}": k for k in range(len(layers))}
     runs = tuple(names[c.name] for c in calls if c.name in names)
     if sorted(runs) != list(range(len(layers))):

@@ -1,8 +1,8 @@
 """The modules a Hugging Face causal LM's own forward runs between its base model and its output embedding
 (ModernBERT-decoder's prediction head: dense, activation, norm before the decoder Linear), found by running it.
 
-The small copy's forward runs once (the self-check's seeded copy and ids) with a hook on each child of the causal LM
-and on its output embedding; the children it calls after the base model and before the output embedding, each once,
+The family's recorded forward (record.py) shows the calls of each child of the causal LM and of its output
+embedding; the children it calls after the base model and before the output embedding, each once,
 each handed exactly what the one before returned (the base model's last hidden state first) and handing the output
 embedding exactly what the last returned, are that path, in order. Anything else gives no path: the self-check then
 proves the composition without one, or refuses the family in one line.
@@ -16,39 +16,26 @@ import torch
 from torch import nn
 
 from pp_tp.models.hf.discover import same
-from pp_tp.models.hf.self_check import small_config
-from pp_tp.models.hf.trace import Call, seeded_copy
-
-_PATHS: dict[tuple[type, str], tuple[str, ...]] = {}
+from pp_tp.models.hf.record import Call, Record, record_of
 
 
 def before_head(model: nn.Module) -> tuple[str, ...]:
     """Model-relative names of the modules the causal LM runs, in order, between its base model and its output
-    embedding; () where it runs none or the trace does not prove a path (cached per class and small config)."""
-    small = small_config(model.config)
-    key = (type(model), small.to_json_string(use_diff=False))
-    if key not in _PATHS:
-        _PATHS[key] = _path(type(model), small)
-    return _PATHS[key]
+    embedding; () where it runs none or the recorded forward (record.py) does not prove a path."""
+    record = record_of(model)
+    return record.derived("head_path", lambda: _path(record))
 
 
-def _path(cls: type, small: Any) -> tuple[str, ...]:
-    model, ids = seeded_copy(cls, small)
+def _path(record: Record) -> tuple[str, ...]:
+    if record.error is not None:  # a copy that does not run proves no path: the self-check refuses it
+        return ()
+    model = record.model
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     children = [(n, c) for n, c in model.named_children() if not any(m is head for m in c.modules()) or c is head]
-    calls: list[Call] = []
-    handles = [
-        child.register_forward_hook(lambda m, a, k, o, n=name: calls.append(Call(n, a, k, o)), with_kwargs=True)
-        for name, child in children
-    ]
-    try:
-        with torch.no_grad():
-            model(input_ids=ids, use_cache=False)
-    except Exception:  # noqa: BLE001 - a copy that does not run proves no path: the self-check refuses it
-        return ()
-    finally:
-        for handle in handles:
-            handle.remove()
+    named: dict[int, list[str]] = {}
+    for name, child in children:
+        named.setdefault(id(child), []).append(name)
+    calls = [Call(n, c.module, c.args, c.kwargs, c.out) for c in record.calls for n in named.get(id(c.module), ())]
     names = [c.name for c in calls]
     base = next((n for n, c in children if any(m is emb for m in c.modules())), None)
     at = next((n for n, c in children if c is head), None)

@@ -15,13 +15,11 @@ from torch import nn
 
 from pp_tp.errors import ConfigError
 from pp_tp.models.hf.discover import same
+from pp_tp.models.hf.record import run_until
 from pp_tp.models.hf.trace import bound_arguments
 
 _MEMO = 8  # distinct position-id sets remembered
-
-
-class _Done(Exception):
-    """Raised once every layer type's arguments are known: the rest of the forward is not needed."""
+_MISSING = object()  # a type the stand-in did not reach: equal to no value
 
 
 class PositionArgs:
@@ -56,31 +54,14 @@ class PositionArgs:
         if dtype != self._dtype:
             self.model.to(dtype)
             self._dtype = dtype
-        got: dict[str, dict[str, Any]] = {}
-
-        def grab(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], kind: str) -> None:
-            passed = bound_arguments(module, args, kwargs)[0]
-            got[kind] = {k: passed.get(k) for k in self.keys}
-            if len(got) == len(self.first):
-                raise _Done
-
-        handles = [
-            m.register_forward_pre_hook(lambda mod, a, k, kind=t: grab(mod, a, k, kind), with_kwargs=True)
-            for t, m in self.first.items()
-        ]
         positions = position_ids.expand(rows, -1) if position_ids.shape[0] == 1 else position_ids
         ids = torch.randint(0, self.vocab, positions.shape, generator=torch.Generator().manual_seed(1))
-        try:
-            with torch.no_grad():
-                self.model(input_ids=ids, position_ids=position_ids, use_cache=False)
-        except _Done:
-            pass
-        finally:
-            for handle in handles:
-                handle.remove()
-        return {
-            t: {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in a.items()} for t, a in got.items()
-        }
+        stops = {m: t for t, m in self.first.items()}
+        with torch.no_grad():
+            reached = run_until(self.model, stops, input_ids=ids, position_ids=position_ids, use_cache=False)
+        got = {t: bound_arguments(c.module, c.args, c.kwargs)[0] for t, c in reached.items()}
+        moved = lambda v: v.to(device) if isinstance(v, torch.Tensor) else v  # noqa: E731
+        return {t: {k: moved(a.get(k)) for k in self.keys} for t, a in got.items()}
 
 
 def position_args(
@@ -102,7 +83,7 @@ def position_args(
         got = stand_in(torch.arange(found.seq).unsqueeze(0), found.rows, torch.float32)
     except Exception:  # noqa: BLE001 - a copy that does not run reproduces nothing: refused below
         got = {}
-    missed = {k for k in keys for t, want in by_type.items() if not same(got.get(t, {}).get(k, _Done), want.get(k))}
+    missed = {k for k in keys for t, want in by_type.items() if not same(got.get(t, {}).get(k, _MISSING), want.get(k))}
     per_type = [k for k in sorted(missed) if any(a.get(k) is None for a in by_type.values())]
     for kind, key in ((t, k) for k in per_type for t in by_type if by_type[t].get(k) is not None):
         # None for other layer types: handed per type, not something pp_tp hands otherwise (per-layer inputs)

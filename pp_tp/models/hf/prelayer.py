@@ -16,7 +16,7 @@ from torch import nn
 from pp_tp.base._torch import is_persistent_buffer
 from pp_tp.models.hf.buffers import _without_parameters
 from pp_tp.models.hf.extras import after_embed
-from pp_tp.models.hf.trace import Call
+from pp_tp.models.hf.record import Call, record_of, run_until
 
 
 def hidden_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -35,18 +35,6 @@ class _Given(nn.Module):
         return self.value
 
 
-class _Reached(Exception):
-    """Raised where the stand-in calls the target module: the hidden state it hands it is known."""
-
-    def __init__(self, hidden: Any):
-        super().__init__()
-        self.hidden = hidden
-
-
-def _stop(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    raise _Reached(hidden_input(args, kwargs))
-
-
 class Replay:
     """The family's own code between its input embedding and `target` (model-relative), per microbatch."""
 
@@ -60,8 +48,7 @@ class Replay:
         self.given = _Given()
         setattr(self.owner, leaf, self.given)
         self.masters = _own_buffers(model, self.owner)
-        model.get_submodule(target).register_forward_pre_hook(_stop, with_kwargs=True)
-        self.model = model
+        self.model, self.target = model, model.get_submodule(target)
         self._cast: dict[tuple[torch.device, torch.dtype], dict[str, torch.Tensor]] = {}
 
     def __call__(
@@ -77,12 +64,12 @@ class Replay:
         self.given.value = h
         positions = {} if position_ids is None else {"position_ids": position_ids}
         try:
-            self.model(input_ids=ids, use_cache=False, **positions)
-        except _Reached as reached:
-            return reached.hidden
+            reached = run_until(self.model, {self.target: 0}, input_ids=ids, use_cache=False, **positions)
         finally:
             self.given.value = None
-        raise RuntimeError("the replayed forward did not reach its target module")
+        if not reached:
+            raise RuntimeError("the replayed forward did not reach its target module")
+        return hidden_input(reached[0].args, reached[0].kwargs)
 
 
 def _own_buffers(model: nn.Module, owner: nn.Module) -> dict[str, torch.Tensor]:
@@ -125,12 +112,8 @@ def replay_target(model: nn.Module, calls: list[Call], embed: str, ids: torch.Te
     return target.name if isinstance(got, torch.Tensor) and torch.equal(got, given) else None
 
 
-_REPLAYS: dict[tuple[type, str, str], Replay] = {}
-
-
 def replay_for(model: nn.Module, target: str) -> Replay:
-    """The `Replay` of `model`'s class and config up to `target` (model-relative), built once."""
-    key = (type(model), model.config.to_json_string(use_diff=False), target)
-    if key not in _REPLAYS:
-        _REPLAYS[key] = Replay(type(model), model.config, target)
-    return _REPLAYS[key]
+    """The `Replay` of `model`'s class and config up to `target` (model-relative), built once (kept in the family's
+    record)."""
+    key = ("replay", model.config.to_json_string(use_diff=False), target)
+    return record_of(model).derived(key, lambda: Replay(type(model), model.config, target))

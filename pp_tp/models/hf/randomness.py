@@ -6,15 +6,15 @@ holds them too: each stage forward runs on its stage's stream (seeded by stage a
 TP ranks, different across dp replicas), and only a TP-sharded region (a column-parallel output to the next
 row-parallel input) runs on a per-TP-rank fork. A draw outside every region is therefore identical on every TP rank,
 so a decision taken on replicated activations (which experts a token goes to) is too; a draw inside a region is not,
-and pp_tp cannot tell whether it acts on sharded or replicated values. So the small copy of the config (the
-self-check's) with every dropout off runs its training forward twice from two different seeds; where the outputs
-differ, a third run records, per layer, the order of its modules' calls and the calls between which the generator
-advanced. Replaying that order against the styles the TP plan gives each module (which open and close a region)
-shows whether any draw falls inside a region: then the layout refuses parallel.tp > 1 in one line; else the family
-is accepted. The config key whose zero makes the two forwards equal is named (found by trying each positive float
-key): comparisons with another build (`pp-tp parity`, the family sweep) turn it off (`switch_off_noise`); a family
-whose noise no single key turns off is refused. Fixed seeds, CPU, fp32 and a cache per (class, small config): every
-rank reaches the same verdict.
+and pp_tp cannot tell whether it acts on sharded or replicated values. So the family's recorded training forward
+(record.py: the small copy, every dropout off) shows whether the generator advanced at all; only where it did, two
+training forwards from two different seeds decide whether the draws change the output, and the record's events give,
+per layer, the order of its modules' calls and the calls between which the generator advanced. Replaying that order
+against the styles the TP plan gives each module (which open and close a region) shows whether any draw falls inside
+a region: then the layout refuses parallel.tp > 1 in one line; else the family is accepted. The config key whose zero
+makes the two forwards equal is named (found by trying each positive float key): comparisons with another build
+(`pp-tp parity`, the family sweep) turn it off (`switch_off_noise`); a family whose noise no single key turns off is
+refused. Fixed seeds, CPU, fp32 and the verdict kept in the family's record: every rank reaches the same verdict.
 """
 
 from __future__ import annotations
@@ -28,15 +28,9 @@ from torch import nn
 
 from pp_tp.errors import ConfigError
 from pp_tp.layout import ModelLayout
-from pp_tp.models.hf.self_check import small_config
-from pp_tp.parallel.rng import DROPOUT_MODULES
+from pp_tp.models.hf.record import TRAIN_ROWS, TRAIN_SEQ, Event, Record, quiet, record_of, spread, without_dropout
 from pp_tp.parallel.tensor_parallel import block_plan, verify
 from pp_tp.parallel.tp_styles import TP_STYLES
-
-_ROWS, _SEQ = 4, 32
-# One layer's calls in its forward's order: ("pre", name) / ("post", name) around each module's forward (names
-# layer-relative, "" the layer itself), ("draw", name) where the generator advanced inside the module `name` ran.
-Event = tuple[str, str]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,59 +40,17 @@ class Noise:
     keys: dict[str, float]
 
 
-_VERDICTS: dict[tuple[type, str], Noise | str | None] = {}
-_EVENTS: dict[tuple[type, str, str], tuple[tuple[Event, ...], ...]] = {}
-
-
-def is_dropout_key(key: str) -> bool:
-    """A config key holding a dropout rate (`attention_dropout`, GPT-2's `attn_pdrop`), not layer drop."""
-    return "dropout" in key or key.endswith("pdrop")
-
-
-def _without_dropout(config: Any) -> Any:
-    """A copy with every positive `*dropout*` float key at 0 (dropout has pp_tp's discipline; it is not asked here)."""
-    quiet = copy.deepcopy(config)
-    for key, value in config.to_dict().items():
-        if is_dropout_key(key) and isinstance(value, float) and value > 0 and hasattr(quiet, key):
-            setattr(quiet, key, 0.0)
-    return quiet
-
-
-@torch.no_grad()
-def _spread(model: nn.Module) -> None:
-    """Seeded values N(0, 0.05), norm weights around 1: router scores far from the init's, so noise that only acts
-    on near ties (sparsemixer's jitter) shows in one of the two value sets."""
-    gen = torch.Generator().manual_seed(0)
-    for name, p in model.named_parameters():
-        owner, _, leaf = name.rpartition(".")
-        norm = leaf == "weight" and "norm" in type(model.get_submodule(owner)).__name__.lower()
-        p.copy_(torch.randn(p.shape, generator=gen) * 0.05 + (1.0 if norm else 0.0))
-
-
-def _quiet_model(cls: type, config: Any) -> nn.Module:
-    """`cls(config)` in training mode, fp32, seeded, every dropout module at rate 0."""
-    torch.manual_seed(0)
-    model = cls(config).to(torch.float32).train()
-    for module in model.modules():
-        if isinstance(module, DROPOUT_MODULES):
-            module.p = 0.0  # attention kernels read the rate off the module (GPT-2)
-    return model
-
-
-def _ids(config: Any) -> torch.Tensor:
-    return torch.randint(0, config.vocab_size, (_ROWS, _SEQ), generator=torch.Generator().manual_seed(0))
-
-
 @torch.no_grad()
 def _draws(cls: type, config: Any) -> bool:
     """Whether two training forwards of `cls(config)` from different seeds differ (dropout modules at rate 0),
     with the model's own init and with spread values."""
     with torch.random.fork_rng(devices=[]):
-        model = _quiet_model(cls, config)
-        ids = _ids(config)
+        torch.manual_seed(0)
+        model = quiet(cls(config).to(torch.float32).train())
+        ids = torch.randint(0, config.vocab_size, (TRAIN_ROWS, TRAIN_SEQ), generator=torch.Generator().manual_seed(0))
         for values in ("init", "spread"):
             if values == "spread":
-                _spread(model)
+                spread(model)
             outs = []
             for seed in (1, 2):
                 torch.manual_seed(seed)
@@ -113,74 +65,39 @@ def _noise_keys(cls: type, config: Any) -> list[str]:
     keys = []
     for key, value in sorted(config.to_dict().items()):
         if isinstance(value, float) and not isinstance(value, bool) and value > 0 and hasattr(config, key):
-            quiet = copy.deepcopy(config)
-            setattr(quiet, key, 0.0)
+            off = copy.deepcopy(config)
+            setattr(off, key, 0.0)
             try:
-                if not _draws(cls, quiet):
+                if not _draws(cls, off):
                     keys.append(key)
             except Exception:  # noqa: BLE001, S112 - a key the model cannot run without is not the noise's
                 continue
     return keys
 
 
-class _Recorder:
-    """Hooks on every module of each layer: the calls in order, and a draw wherever the CPU generator's state
-    changed since the previous call boundary (attributed to the module running then)."""
-
-    def __init__(self, layers: list[nn.Module]):
-        self.events: list[list[Event]] = [[] for _ in layers]
-        self.current: int | None = None
-        self.stack: list[str] = []
-        self.state = torch.get_rng_state()
-        self.handles = []
-        for i, layer in enumerate(layers):
-            for name, module in layer.named_modules():
-                self.handles.append(module.register_forward_pre_hook(lambda m, a, i=i, n=name: self._pre(i, n)))
-                self.handles.append(module.register_forward_hook(lambda m, a, o, i=i, n=name: self._post(i, n)))
-
-    def _mark(self) -> None:
-        now = torch.get_rng_state()
-        if self.current is not None and not torch.equal(now, self.state):
-            self.events[self.current].append(("draw", self.stack[-1]))
-        self.state = now
-
-    def _pre(self, i: int, name: str) -> None:
-        self._mark()
-        self.current = i if name == "" else self.current
-        self.stack.append(name)
-        self.events[i].append(("pre", name))
-
-    def _post(self, i: int, name: str) -> None:
-        self._mark()
-        self.stack.pop()
-        self.events[i].append(("post", name))
-        self.current = None if name == "" else self.current
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
+def _layer_events(events: list[Event], layer: str) -> tuple[Event, ...]:
+    """The events of the recorded training forward inside the layer `layer` (fqn), named relative to it ("" the
+    layer itself), each draw attributed to the innermost module of the layer that was running."""
+    inside = lambda name: name == layer or name.startswith(f"{layer}.")  # noqa: E731
+    relative = lambda name: name[len(layer) + 1 :]  # noqa: E731
+    out = []
+    for kind, name in events:
+        if kind == "draw":
+            running = [n for n in name if inside(n)]
+            if running:
+                out.append((kind, relative(running[-1])))
+        elif inside(name):
+            out.append((kind, relative(name)))
+    return tuple(out)
 
 
-@torch.no_grad()
-def _layer_events(cls: type, config: Any, blocks: str) -> tuple[tuple[Event, ...], ...]:
-    """Each layer's calls and draws in one training forward of the small copy (spread values, as `_draws`)."""
-    with torch.random.fork_rng(devices=[]):
-        model = _quiet_model(cls, config)
-        _spread(model)
-        recorder = _Recorder(list(model.get_submodule(blocks).children()))
-        try:
-            torch.manual_seed(1)
-            model(input_ids=_ids(config), use_cache=False)
-        finally:
-            recorder.remove()
-    return tuple(tuple(e) for e in recorder.events)
-
-
-def _verdict(cls: type, config: Any) -> Noise | str | None:
+def _verdict(record: Record) -> Noise | str | None:
     """None when the forward draws nothing outside dropout, the refusal text when no single key turns its draws
-    off, else the Noise."""
+    off, else the Noise. The recorded training forward shows whether the generator advanced at all; only where it
+    did do two seeds' forwards decide."""
+    cls, config = record.cls, without_dropout(record.small)
     try:
-        if not _draws(cls, config):
+        if not record.train()[1] or not _draws(cls, config):
             return None
     except Exception:  # noqa: BLE001 - a copy that cannot run here is the self-check's to refuse, not this check's
         return None
@@ -210,16 +127,12 @@ def _region_draw(events: tuple[Event, ...], styles: dict[str, str]) -> str | Non
     return None
 
 
-def _tp_refusal(model: nn.Module, layout: ModelLayout, noise: Noise, small: Any) -> str | None:
+def _tp_refusal(model: nn.Module, layout: ModelLayout, noise: Noise, record: Record) -> str | None:
     """Why parallel.tp > 1 cannot hold the noise (a draw inside a region under the layout's TP plan), or None."""
-    key = (type(model), small.to_json_string(use_diff=False), layout.blocks)
-    if key not in _EVENTS:
-        _EVENTS[key] = _layer_events(type(model), small, layout.blocks)
-    with torch.device("meta"):
-        layers = list(type(model)(small).get_submodule(layout.blocks).children())
-    for i, (layer, events) in enumerate(zip(layers, _EVENTS[key])):
+    events = record.train()[0]
+    for i, layer in enumerate(record.model.get_submodule(layout.blocks).children()):
         styles = verify(layer, block_plan(layer, layout)).resolved
-        drawer = _region_draw(events, styles)
+        drawer = _region_draw(_layer_events(events, f"{layout.blocks}.{i}"), styles)
         if drawer is not None:
             keys = " or ".join(f"{k} = {v}" for k, v in noise.keys.items())
             return (
@@ -230,20 +143,17 @@ def _tp_refusal(model: nn.Module, layout: ModelLayout, noise: Noise, small: Any)
     return None
 
 
-def _noise(model: nn.Module) -> tuple[Noise | str | None, Any]:
-    """The cached verdict for `model`'s family and its small copy with dropout off."""
-    small = _without_dropout(small_config(model.config))
-    key = (type(model), small.to_json_string(use_diff=False))
-    if key not in _VERDICTS:
-        _VERDICTS[key] = _verdict(type(model), small)
-    return _VERDICTS[key], small
+def _noise(model: nn.Module) -> tuple[Noise | str | None, Record]:
+    """The verdict for `model`'s family (kept in its record)."""
+    record = record_of(model)
+    return record.derived("noise", lambda: _verdict(record)), record
 
 
 def check_randomness(model: nn.Module, layout: ModelLayout | None = None) -> ModelLayout | None:
     """`layout`, refusing parallel.tp > 1 (its tp_refusal) where a draw beyond dropout falls inside a TP-sharded
     region; refuses `model` in one line where no single config key turns such draws off (cached). Without a
     layout, any draw beyond dropout is refused (the key that turns it off named)."""
-    noise, small = _noise(model)
+    noise, record = _noise(model)
     if isinstance(noise, str):
         raise ConfigError(noise)
     if noise is None or layout is None:
@@ -257,7 +167,7 @@ def check_randomness(model: nn.Module, layout: ModelLayout | None = None) -> Mod
     if layout.tp_refusal:
         return layout
     try:
-        why = _tp_refusal(model, layout, noise, small)
+        why = _tp_refusal(model, layout, noise, record)
     except ConfigError as e:  # pp_tp cannot replay the plan on the small copy: no proof for parallel.tp > 1
         why = (
             f"model {type(model).__name__}: its random draws beyond dropout cannot be placed against its TP plan ({e})"

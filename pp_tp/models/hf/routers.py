@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pp_tp.models.hf.self_check import small_config, stir_zero_buffers
+from pp_tp.models.hf.record import record_of
+from pp_tp.models.hf.self_check import stir_zero_buffers
 
 _TOKENS = 16
-_PROBES: dict[tuple[type, str], bool] = {}
 
 
 def _router_class(model: nn.Module) -> type | None:
@@ -29,7 +29,8 @@ def _router_class(model: nn.Module) -> type | None:
 
 @torch.no_grad()
 def _softmax_probe(cls: type, config) -> bool:
-    """Whether `cls(config)` routes by softmax(logits) as the module docstring says (deterministic, cached)."""
+    """Whether `cls(config)` routes by softmax(logits) as the module docstring says (deterministic; kept in the
+    family's record)."""
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
@@ -54,10 +55,7 @@ def block_routers(model: nn.Module, blocks: list[nn.Module]) -> tuple[str, ...]:
     cls = _router_class(model)
     if cls is None:
         return ()
-    small = small_config(model.config)
-    key = (cls, small.to_json_string(use_diff=False))
-    if key not in _PROBES:
-        _PROBES[key] = _softmax_probe(cls, small)
-    if not _PROBES[key]:
+    record = record_of(model)
+    if not record.derived(("router", cls), lambda: _softmax_probe(cls, record.small)):
         return ()
     return tuple(sorted({n for b in blocks for n, m in b.named_modules() if type(m) is cls}))

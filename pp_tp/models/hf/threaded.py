@@ -14,8 +14,8 @@ from torch import nn
 
 from pp_tp.base._torch import tree_flatten
 from pp_tp.models.hf.discover import embedding_parent
-from pp_tp.models.hf.self_check import small_config
-from pp_tp.models.hf.trace import seeded_copy, trace
+from pp_tp.models.hf.record import record_of
+from pp_tp.models.hf.trace import trace
 
 
 def threaded_state(model: nn.Module, blocks_key: str, block: nn.Module) -> tuple[str, str, str] | None:
@@ -51,17 +51,20 @@ def threaded_state(model: nn.Module, blocks_key: str, block: nn.Module) -> tuple
 
 def unread(model: nn.Module, blocks_key: str, name: str) -> bool:
     """Whether no layer reads the handed value `name`: on the family's small copy every layer, called again with what
-    the traced forward handed it but `name` None, returns exactly what it returned (every output), and every layer of
-    `model` has the module tree of one of the small copy's layers (a kind the copy lacks, HY-V4's shared-indexer
-    layers, is not proven)."""
-    copy, ids = seeded_copy(type(model), small_config(model.config))
+    the recorded forward (record.py) handed it but `name` None, returns exactly what it returned (every output), and
+    every layer of `model` has the module tree of one of the small copy's layers (a kind the copy lacks, HY-V4's
+    shared-indexer layers, is not proven)."""
+    record = record_of(model)
+    copy = record.model
     base = copy.get_submodule(embedding_parent(copy))
     layers = list(base.get_submodule(blocks_key))
     proven = {_kind(layer) for layer in layers}
     if any(_kind(layer) not in proven for layer in model.get_submodule(f"{embedding_parent(model)}.{blocks_key}")):
         return False
+    if record.error is not None:  # a copy that does not run proves nothing unread
+        return False
     try:
-        calls = trace(copy, base, ids)
+        calls = trace(record, embedding_parent(copy))
         by_name = {f"{blocks_key}.{k}": layer for k, layer in enumerate(layers)}
         return all(_same_without(by_name[c.name], c.args, c.kwargs, c.out, name) for c in calls if c.name in by_name)
     except Exception:  # noqa: BLE001 - a layer that cannot run without the value reads it

@@ -1,26 +1,14 @@
-"""One traced forward of a Hugging Face family's small copy: the calls of the modules around its layers and of each
-layer, with their arguments and outputs. discover.py reads the structure off it, handed.py what each layer is handed,
-on the same seeded copy and ids."""
+"""The view of a family's recorded forward (record.py) that discover.py and handed.py read: the calls of the modules
+around its layers and of each layer, with their arguments and outputs."""
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from typing import Any
 
-import torch
 from torch import nn
 
-ROWS, SEQ = 2, 6  # the traced ids' shape
-
-
-@dataclasses.dataclass
-class Call:
-    name: str
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    out: Any
-    kind: str = "module"  # "module", "layer" (an element of a layer list) or "wrapper" (holds what is traced)
+from pp_tp.models.hf.record import Call, Record
 
 
 def _holds(module: nn.Module, emb: nn.Module, lists: bool) -> bool:
@@ -46,21 +34,18 @@ def _targets(base: nn.Module, emb: nn.Module, prefix: str = "") -> list[tuple[st
     return out
 
 
-def trace(model: nn.Module, base: nn.Module, ids: torch.Tensor) -> list[Call]:
-    """The calls of `base`'s children (through wrappers) and of their layer lists' elements, in the order they
-    return, on one forward of `model`."""
-    calls: list[Call] = []
-    handles = []
-    for name, module, kind in _targets(base, model.get_input_embeddings()):
-        hook = lambda m, a, k, o, name=name, kind=kind: calls.append(Call(name, a, k, o, kind))  # noqa: E731
-        handles.append(module.register_forward_hook(hook, with_kwargs=True))
-    try:
-        with torch.no_grad():
-            model(input_ids=ids, use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    return calls
+def trace(record: Record, base_name: str) -> list[Call]:
+    """The calls of the record's eval forward to the children (through wrappers) of its module `base_name` and to
+    their layer lists' elements, in the order they returned, named relative to that module."""
+    base = record.model.get_submodule(base_name)
+    targets: dict[int, list[tuple[str, str]]] = {}
+    for name, module, kind in _targets(base, record.model.get_input_embeddings()):
+        targets.setdefault(id(module), []).append((name, kind))
+    return [
+        Call(name, c.module, c.args, c.kwargs, c.out, kind)
+        for c in record.calls
+        for name, kind in targets.get(id(c.module), ())
+    ]
 
 
 def bound_arguments(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
@@ -77,11 +62,3 @@ def bound_arguments(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
         else:
             passed[name] = value
     return passed, via_kwargs
-
-
-def seeded_copy(cls: type, small: Any) -> tuple[nn.Module, torch.Tensor]:
-    """The family's small copy with seeded weights (eval, fp32, the caller's RNG untouched) and seeded input ids."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = cls(small).to(torch.float32).eval()
-    return model, torch.randint(0, small.vocab_size, (ROWS, SEQ), generator=torch.Generator().manual_seed(0))
