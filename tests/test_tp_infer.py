@@ -17,6 +17,8 @@ from hf_utils import family
 
 from pp_tp.models.hf import tp_infer
 from pp_tp.models.hf.layout import compose
+from pp_tp.models.hf.record import record_of
+from pp_tp.parallel.tp_proof import call_order
 from pp_tp.parallel.whole_on_tp import splits_attention
 
 # model type -> its tiny build (the default config shrunk by the self-check's rule, dropout off: two builds draw
@@ -53,10 +55,11 @@ def test_inferred_pairs_of_conv1d_fused_alibi_and_unsplittable_families():
 
 
 def test_a_wrong_split_of_a_fused_projection_fails_the_proof():
-    model = FAMILIES["gpt2"].make(layers=2).eval()
+    record = record_of(FAMILIES["gpt2"].make("meta", layers=2))
+    model = record.copy()  # the family's small copy, and what its own forward handed its blocks
     blocks = list(model.transformer.h)
-    block, inputs = blocks[0], tp_infer._block_inputs(model, blocks)[0]
-    order, want = tp_infer._calls(block, *inputs)
+    block, inputs = blocks[0], tp_infer._block_inputs(record, "transformer.h", len(blocks))[0]
+    order, want = call_order(block, *inputs)
     attn = next(
         r for r in tp_infer._regions(order, tp_infer._layers(block), model.config.hidden_size) if r.tops == ("attn",)
     )
@@ -64,7 +67,7 @@ def test_a_wrong_split_of_a_fused_projection_fails_the_proof():
     assert tp_infer._proven(block, inputs, want, [(attn, right)])
     for wrong in ({**right, "parts": {"attn.c_attn": 1}}, {**right, "local": {}}):  # plain Shard(0); global heads
         assert not tp_infer._proven(block, inputs, want, [(attn, wrong)]), wrong
-    assert torch.equal(want, tp_infer._calls(block, *inputs)[1])  # the proof left the block as it was
+    assert torch.equal(want, call_order(block, *inputs)[1])  # the proof left the block as it was
 
 
 def run_cases(cases: list[tuple[str, dict]]) -> list[dict]:

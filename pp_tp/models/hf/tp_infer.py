@@ -21,23 +21,19 @@ startup report says; if no region of any block splits, the family still trains a
 
 from __future__ import annotations
 
-import copy
 import inspect
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
-from pp_tp.base.forward import without_cache
-from pp_tp.models.hf.self_check import SEQ, TOLERANCE, small_config
-from pp_tp.parallel.inferred_styles import LocalHeads, head_count, is_conv1d, localizable, localize, slice_inputs
+from pp_tp.models.hf.record import Record, record_of
+from pp_tp.models.hf.self_check import TOLERANCE
+from pp_tp.parallel.inferred_styles import LocalHeads, head_count, is_conv1d, localizable
+from pp_tp.parallel.tp_proof import call_order, proven
 from pp_tp.parallel.tp_styles import TP_STYLES, TPStyle, register_tp_style
-
-TP = 2  # the degree the proof runs at
-_PASSES = 6  # rounds of summing row-parallel outputs; a block's pairs settle in one more round than it has pairs
 
 
 @dataclass(frozen=True)
@@ -73,27 +69,6 @@ def _top(name: str) -> str:
 
 def _under(name: str, tops: Iterable[str]) -> bool:
     return any(t == "" or name == t or name.startswith(t + ".") for t in tops)
-
-
-def _calls(block: nn.Module, args: tuple, kwargs: dict) -> tuple[list[str], torch.Tensor]:
-    """The names of `block`'s modules in the order their forwards start (first call each), and its output (run on a
-    copy: the block itself stays uncalled, so copies of it can still be made)."""
-    block = copy.deepcopy(block)
-    order: list[str] = []
-    handles = [
-        m.register_forward_pre_hook(lambda mod, a, n=n: order.append(n) if n not in order else None)
-        for n, m in block.named_modules()
-    ]
-    try:
-        out = _first_tensor(block(*args, **kwargs))
-    finally:
-        for h in handles:
-            h.remove()
-    return order, out
-
-
-def _first_tensor(out: Any) -> torch.Tensor:
-    return out if isinstance(out, torch.Tensor) else next(o for o in out if isinstance(o, torch.Tensor))
 
 
 def _regions(order: list[str], layers: dict[str, Layer], hidden: int) -> list[Region]:
@@ -140,84 +115,6 @@ def _parts(column: Layer, row: Layer) -> tuple[int, ...]:
     return (1,)
 
 
-def _rank_shard(t: torch.Tensor, dim: int, parts: int, rank: int) -> torch.Tensor:
-    """Rank `rank`'s block of every one of `parts` equal parts of `t` along `dim` (a plain split for parts = 1)."""
-    return torch.cat([p.chunk(TP, dim)[rank] for p in t.chunk(parts, dim)], dim)
-
-
-@torch.no_grad()
-def _shard_copy(block: nn.Module, choice: dict[str, int], row: set[str], local: dict[str, tuple], rank: int):
-    """A copy of `block` holding rank `rank`'s shards: `choice` column layer -> parts, `row` layers (bias on rank 0
-    only: added once), `local` modules -> the per-head inputs they take, localized and sliced."""
-    c = copy.deepcopy(block)
-    for name, parts in choice.items():
-        m = c.get_submodule(name)
-        m.weight = nn.Parameter(_rank_shard(m.weight, 1 if is_conv1d(m) else 0, parts, rank))
-        if m.bias is not None:
-            m.bias = nn.Parameter(_rank_shard(m.bias, 0, parts, rank))
-        if is_conv1d(m):
-            m.nf = m.weight.shape[1]
-    for name in row:
-        m = c.get_submodule(name)
-        m.weight = nn.Parameter(_rank_shard(m.weight, 0 if is_conv1d(m) else 1, 1, rank))
-        if m.bias is not None and rank:
-            m.bias.zero_()
-    for name, computed in local.items():
-        m = c.get_submodule(name)
-        heads = head_count(m)
-        localize(m, TP)
-        if computed and heads:
-            m.register_forward_pre_hook(slice_inputs(m, computed, rank, TP, heads), with_kwargs=True)
-    return c
-
-
-@torch.no_grad()
-def _proven(block: nn.Module, inputs: tuple[tuple, dict], want: torch.Tensor, regions: list[tuple[Region, dict]]):
-    """Whether `block` with `regions` (each with its choice: column parts, local modules) split over TP ranks, its
-    row-parallel outputs summed over the ranks, gives every rank the whole block's output."""
-    choice = {name: parts for _, c in regions for name, parts in c["parts"].items()}
-    row = {r.row.name for r, _ in regions}
-    local = {name: names for _, c in regions for name, names in c["local"].items()}
-    try:
-        copies = [_shard_copy(block, choice, row, local, r) for r in range(TP)]
-    except Exception:  # noqa: BLE001 - a region whose attributes do not divide is not proven
-        return False
-    sums: dict[str, torch.Tensor] = {}
-    outs: list[torch.Tensor] = []
-    for _ in range(_PASSES):
-        partials: dict[str, list[torch.Tensor]] = {}
-        outs = []
-        for c in copies:
-            hooks = [c.get_submodule(n).register_forward_hook(_summed(n, partials, sums)) for n in row]
-            try:
-                outs.append(_first_tensor(c(*inputs[0], **inputs[1])))
-            except Exception:  # noqa: BLE001 - a shard the forward cannot run on is not proven
-                return False
-            finally:
-                for h in hooks:
-                    h.remove()
-        new = {n: sum(p) for n, p in partials.items()}
-        if new.keys() == sums.keys() and all(torch.equal(new[n], sums[n]) for n in new):
-            break
-        sums = new
-    return all(o.shape == want.shape and _error(o, want) <= TOLERANCE for o in outs)
-
-
-def _error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got - want).norm() / want.norm().clamp_min(1e-30))
-
-
-def _summed(name: str, partials: dict[str, list[torch.Tensor]], sums: dict[str, torch.Tensor]):  # noqa: ANN202
-    """A forward hook recording a row-parallel layer's partial output and handing on the sum over the ranks from the
-    previous round (the partial itself in the first)."""
-
-    def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-        partials.setdefault(name, []).append(out.clone())  # copies: families add into the output in place (Falcon)
-        return sums[name].clone() if name in sums else out
-
-    return hook
-
-
 def _candidates(block: nn.Module, region: Region, computed: frozenset[str]) -> list[dict]:
     """The ways to split `region`, most likely first: per column layer its parts; attention modules localized or not."""
     holders = {
@@ -250,61 +147,40 @@ def _local_style(names: tuple[str, ...]) -> str:
     return key
 
 
-_PLANS: dict[tuple[type, str], dict[str, str]] = {}
-
-
 def inferred_tp_plan(
     model: nn.Module, blocks: list[nn.Module], computed: frozenset[str] = frozenset()
 ) -> dict[str, str]:
-    """The block-relative plan proven on `model`'s small copy (cached per class and small config): the pairs found
-    and proven, `replicate` on every region left whole. `blocks`: the model's layers; `computed`: the per-head
-    layer arguments its forward computes for all heads (ALiBi biases)."""
-    small = small_config(model.config)
+    """The block-relative plan proven on `model`'s small copy (kept in its family's record): the pairs found and
+    proven, `replicate` on every region left whole. `blocks`: the model's layers; `computed`: the per-head layer
+    arguments its forward computes for all heads (ALiBi biases)."""
+    record = record_of(model)
     path = next(n for n, m in model.named_modules() if any(c is blocks[0] for c in m.children()))
-    key = (type(model), small.to_json_string(use_diff=False))
-    if key not in _PLANS:
-        _PLANS[key] = _infer(type(model), small, path, computed)
-    return dict(_PLANS[key])
+    return dict(record.derived(("tp_plan", path, computed), lambda: _infer(record, path, computed)))
 
 
-def _seeded(cls: type, small: Any) -> nn.Module:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = cls(small).to(torch.float32).eval()
-        gen = torch.Generator().manual_seed(1)
-        with torch.no_grad():  # no zero biases or unit norms: a bias added twice or a dropped scale would show
-            for p in model.parameters():
-                p.copy_(p + 0.1 * torch.randn(p.shape, generator=gen))
-    return model
+def _block_inputs(record: Record, path: str, n_blocks: int) -> list[tuple[tuple, dict]]:
+    """What the record's eval forward handed each block (first call each)."""
+    if record.error is not None:
+        raise record.error
+    first: dict[str, tuple[tuple, dict]] = {}
+    for call in record.calls:
+        first.setdefault(call.name, (call.args, call.kwargs))
+    names = [f"{path}.{i}" for i in range(n_blocks)]
+    return [first[n] for n in names if n in first]
 
 
-def _block_inputs(model: nn.Module, blocks: list[nn.Module]) -> list[tuple[tuple, dict]]:
-    """What the model's own forward hands each of `blocks` (first call each) on a fixed batch."""
-    seen: dict[int, tuple[tuple, dict]] = {}
-    hooks = [
-        b.register_forward_pre_hook(lambda m, a, k: seen.setdefault(id(m), (a, k)) and None, with_kwargs=True)
-        for b in blocks
-    ]
-    ids = torch.randint(0, model.config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
-    try:
-        with torch.no_grad():
-            model(input_ids=ids, **without_cache(model))
-    finally:
-        for h in hooks:
-            h.remove()
-    return [seen[id(b)] for b in blocks if id(b) in seen]
-
-
-def _infer(cls: type, small: Any, path: str, computed: frozenset[str]) -> dict[str, str]:
-    model = _seeded(cls, small)
+def _infer(record: Record, path: str, computed: frozenset[str]) -> dict[str, str]:
+    model = record.copy()  # never called: a block keeping state from its last call (RecurrentGemma) copies so
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # no zero biases or unit norms: a bias added twice or a dropped scale would show
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=gen))
     blocks = list(model.get_submodule(path).children())
-    inputs = _block_inputs(model, blocks)
-    # copies made before any call: a block keeping state from its last call (RecurrentGemma's recurrence) copies so
-    blocks = [copy.deepcopy(b) for b in _seeded(cls, small).get_submodule(path).children()]
+    inputs = _block_inputs(record, path, len(blocks))
     hidden = model.config.hidden_size
     found: dict[tuple[str, ...], list] = {}  # region tops -> [(block, inputs, want, order, region)]
     for block, ins in zip(blocks, inputs):
-        order, want = _calls(block, *ins)
+        order, want = call_order(block, *ins)
         for region in _regions(order, _layers(block), hidden):
             found.setdefault(region.tops, []).append((block, ins, want, order, region))
     plan: dict[str, str] = {}
@@ -315,7 +191,7 @@ def _infer(cls: type, small: Any, path: str, computed: frozenset[str]) -> dict[s
             block, ins, want, [(r, chosen[r.tops]) for r in _regions(order, _layers(block), hidden) if r.tops in chosen]
         )
         for block, ins in zip(blocks, inputs)
-        for order, want in [_calls(block, *ins)]
+        for order, want in [call_order(block, *ins)]
     )
     for tops, choice in chosen.items() if together else ():
         region = found[tops][0][4]
@@ -327,10 +203,11 @@ def _infer(cls: type, small: Any, path: str, computed: frozenset[str]) -> dict[s
     return plan
 
 
-def _split_blocks(blocks: list[nn.Module], inputs: list, hidden: int) -> Iterable[tuple]:
-    for block, ins in zip(blocks, inputs):
-        order, want = _calls(block, *ins)
-        yield block, ins, want, _regions(order, _layers(block), hidden)
+def _proven(block: nn.Module, inputs: tuple[tuple, dict], want: torch.Tensor, regions: list[tuple[Region, dict]]):
+    """`proven` for `regions`, each with its choice (column parts, local modules)."""
+    choice = {name: parts for _, c in regions for name, parts in c["parts"].items()}
+    local = {name: names for _, c in regions for name, names in c["local"].items()}
+    return proven(block, inputs, want, choice, {r.row.name for r, _ in regions}, local, TOLERANCE)
 
 
 def _split(name: str, plan: dict[str, str]) -> bool:
