@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 import transformers as T
 from hf_utils import VOCAB, Family, assert_exact, family_case
 
+from pp_tp.errors import ConfigError
 from pp_tp.layout import layout_for
 from pp_tp.models.hf.carried import Carried
 
@@ -69,3 +71,17 @@ def test_each_layer_gets_its_index_and_the_first_layers_input():
     out = call(model.model.layers[3], h, ())
     assert seen[0]["layer_idx"] == 3 and torch.equal(seen[0]["original_hidden_states"], h[:, :, 1])
     assert torch.equal(out, torch.stack([h[:, :, 0] * 2, h[:, :, 1]], dim=2))
+
+
+def test_zamba_whose_small_copy_transformers_cannot_build_is_refused_in_one_line():
+    """Zamba (v1) ties every hybrid layer's block to the first one's by a pattern that transformers rejects when the
+    model has one hybrid layer, which the 2-layer copy pp_tp traces has: one line, not transformers' traceback."""
+    config = T.ZambaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        n_mamba_heads=2, mamba_d_state=8, layers_block_type=["mamba", "hybrid"] * 2,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = T.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    with pytest.raises(ConfigError, match=r"transformers cannot build its 2-layer copy \(ValueError") as e:
+        layout_for(model)
+    assert "\n" not in str(e.value)

@@ -347,7 +347,14 @@ def discover(model: nn.Module) -> PpPlan:
 
 
 def _discover(cls: type, small: Any) -> PpPlan:
-    model, ids = seeded_copy(cls, small)
+    try:
+        model, ids = seeded_copy(cls, small)
+    except Exception as e:  # noqa: BLE001 - transformers cannot build the small copy (Zamba with one hybrid layer)
+        why = f"{type(e).__name__}: {str(e)[:120]}".replace("\n", " ")
+        raise ConfigError(
+            f"model {cls.__name__}: transformers cannot build its {small.num_hidden_layers}-layer copy ({why}), which "
+            "pp_tp traces to find its structure; register a layout for it (pp_tp.extend.register_layout)"
+        ) from None
     base = model.get_submodule(discovery_base(model))
     try:
         calls = trace(model, base, ids)
