@@ -14,7 +14,7 @@ import functools
 import pytest
 import torch
 import transformers as T
-from hf_utils import VOCAB, Family, assert_exact, family_case
+from hf_utils import BASE, VOCAB, Family, assert_exact, family_case
 
 from pp_tp.errors import ConfigError
 from pp_tp.layout import layout_for
@@ -25,12 +25,8 @@ def _zamba2(mem_blocks: int, layers: int) -> T.Zamba2Config:
     """Mamba2 and hybrid layers alternating, the shared block's adapters on (each hybrid layer its own, chosen by
     `layer_idx`), rotary tables on; `mem_blocks` shared blocks cycled over the hybrid layers."""
     return T.Zamba2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
+        **{**BASE, "num_hidden_layers": layers, "num_key_value_heads": 4},  # its adapters widen k and v to every head
         layers_block_type=["linear_attention", "hybrid"] * (layers // 2),
-        num_attention_heads=4,
         n_mamba_heads=4,
         mamba_d_state=8,
         mamba_ngroups=2,
@@ -39,7 +35,6 @@ def _zamba2(mem_blocks: int, layers: int) -> T.Zamba2Config:
         use_shared_attention_adapter=True,
         adapter_rank=4,
         use_mem_rope=True,
-        max_position_embeddings=64,
     )
 
 
