@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,9 +25,6 @@ from pp_tp.errors import ConfigError
 from pp_tp.layout import Edge, ModelDims
 from pp_tp.models.hf.prelayer import hidden_input
 from pp_tp.models.hf.trace import bound_arguments, seeded_copy
-
-if TYPE_CHECKING:  # handed.py imports discover.py, which imports this module
-    from pp_tp.models.hf.handed import Handed
 
 
 def carries(value: Any, index: int, first: Any) -> bool:
@@ -113,8 +110,8 @@ class _TwoStreams:
         return dataclasses.replace(self.dims(model), streams=2)
 
 
-def find(model: nn.Module, blocks_fqn: str, blocks: list[nn.Module], found: Handed | None, streams: int) -> Carried:
-    """What `found` (the traced forward of `model`'s small copy, whose layers are `blocks_fqn`) shows the forward
+def find(model: nn.Module, blocks_fqn: str, blocks: list[nn.Module], found: Any, streams: int) -> Carried:
+    """What `found` (handed.Handed: the traced forward of `model`'s small copy, layers `blocks_fqn`) shows the forward
     handing every layer that pp_tp gives it itself; a first-layer input beside other streams (`streams` > 1:
     hyper-connections, per-layer inputs) is refused in one line."""
     if found is None or len(found.layers) < 2 or not found.run_once_in_order():

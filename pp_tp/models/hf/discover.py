@@ -134,9 +134,7 @@ def _step(model: nn.Module, base: nn.Module, call: Call, ids: torch.Tensor) -> S
     raise _refuse(model, f"its forward calls {call.name} before its layers in a way pp_tp cannot rebuild")
 
 
-def _layer_kwargs(
-    model: nn.Module, block: nn.Module, call: Call, index: int, first: Any
-) -> tuple[frozenset[str], dict[str, torch.Tensor]]:
+def _layer_kwargs(model: nn.Module, block: nn.Module, call: Call, index: int, first: Any) -> tuple[frozenset, dict]:
     """Keywords the forward passes a layer through its `**kwargs` that pp_tp supplies, and the tensors it passes
     that pp_tp does not (ALiBi biases: `_prove_shape_only` then decides); refuses any other non-empty argument. The
     layer's `index` and the first layer's hidden input `first` are what carried.py gives a layer (and proves)."""
@@ -350,11 +348,8 @@ def _discover(cls: type, small: Any) -> PpPlan:
     try:
         model, ids = seeded_copy(cls, small)
     except Exception as e:  # noqa: BLE001 - transformers cannot build the small copy (Zamba with one hybrid layer)
-        why = f"{type(e).__name__}: {str(e)[:120]}".replace("\n", " ")
-        raise ConfigError(
-            f"model {cls.__name__}: transformers cannot build its {small.num_hidden_layers}-layer copy ({why}), which "
-            "pp_tp traces to find its structure; register a layout for it (pp_tp.extend.register_layout)"
-        ) from None
+        why = f"{small.num_hidden_layers}-layer copy ({type(e).__name__}: {str(e)[:120]})".replace("\n", " ")
+        raise ConfigError(f"model {cls.__name__}: transformers cannot build its {why}, which pp_tp traces") from None
     base = model.get_submodule(discovery_base(model))
     try:
         calls = trace(model, base, ids)
