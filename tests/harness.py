@@ -5,10 +5,11 @@ feeds them cases through queues. A case is a module-level function called on eve
 values (one per rank) come back to the test. A failing rank's traceback is re-raised in the test; a
 case that fails or hangs tears the world down so the next case starts from a clean one.
 
-DTensor's sharding-propagation caches live on across cases: torch's DeviceMesh equality ignores process groups, so
-a later case may be handed a spec naming an earlier, equal mesh (same ranks, shape and names) and reduce over that
-mesh's groups: the same ranks, so the same numbers. Only a count per group could tell, and `CommLedger` starts from
-an empty cache for that reason. (Clearing after every case instead cost every case's first propagations again.)
+DTensor's sharding-propagation caches live on across cases (clearing them after every case cost every case its first
+propagations again); `parallel/mesh.make_mesh` empties them whenever a mesh is built, since DeviceMesh equality
+ignores process groups and a cached spec naming an earlier, equal mesh would send a later case's collectives over the
+earlier mesh's groups (measured when the harness kept the caches and meshes did not clear them: 8 of 16 TP
+all-reduces seen in test_expert_parallel's ledger case after test_context_parallel).
 
 Between its cases a world is stopped (SIGSTOP, `pause`): every gloo process group keeps a transport thread that
 wakes about every 10 ms even when idle, and with tens of groups per rank and several worlds alive, idle ranks

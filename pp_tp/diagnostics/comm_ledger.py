@@ -45,7 +45,6 @@ from torch.distributed.tensor import DTensor
 
 from pp_tp.base._torch import (
     TorchDispatchMode,
-    forget_sharding_specs,
     process_group_type,
     resolve_process_group,
     tree_flatten,
@@ -131,13 +130,6 @@ class CommLedger(TorchDispatchMode):
         super().__init__()
         self.events: list[CommEvent] = []
         self.step = 0
-
-    def __enter__(self):
-        # DTensor caches output specs by mesh equality, which ignores process groups: a spec cached on an equal mesh
-        # built earlier (same ranks, shape and names) would issue its collectives on that mesh's groups, which the
-        # ledger would then count under another group's name. It starts from an empty cache.
-        forget_sharding_specs()
-        return super().__enter__()
 
     def next_step(self) -> None:
         """Starts a new step record, unless the current one is still empty (so calling it before every

@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from pp_tp.errors import ConfigError
-from pp_tp.models.hf.prelayer import Replay, replay_for, replay_target
+from pp_tp.models.hf.carried import carries
+from pp_tp.models.hf.prelayer import Replay, hidden_input, replay_for, replay_target
 from pp_tp.models.hf.record import SEQ, Call, Record, record_of, run_until
 from pp_tp.models.hf.trace import bound_arguments, trace
 
@@ -133,13 +134,14 @@ def _step(model: nn.Module, base: nn.Module, call: Call, ids: torch.Tensor) -> S
     raise _refuse(model, f"its forward calls {call.name} before its layers in a way pp_tp cannot rebuild")
 
 
-def _layer_kwargs(model: nn.Module, block: nn.Module, call: Call) -> tuple[frozenset[str], dict[str, torch.Tensor]]:
+def _layer_kwargs(model: nn.Module, block: nn.Module, call: Call, index: int, first: Any) -> tuple[frozenset, dict]:
     """Keywords the forward passes a layer through its `**kwargs` that pp_tp supplies, and the tensors it passes
-    that pp_tp does not (ALiBi biases: `_prove_shape_only` then decides); refuses any other non-empty argument."""
+    that pp_tp does not (ALiBi biases: `_prove_shape_only` then decides); refuses any other non-empty argument. The
+    layer's `index` and the first layer's hidden input `first` are what carried.py gives a layer (and proves)."""
     passed, via_kwargs = bound_arguments(block, call.args, call.kwargs)
     computed = {}
     for key, value in passed.items():
-        if key in SUPPLIED or value is None or value is False:
+        if key in SUPPLIED or value is None or value is False or carries(value, index, first):
             continue
         if not isinstance(value, torch.Tensor):
             raise _refuse(model, f"its forward hands its layers {key!r}, which pp_tp does not compute")
@@ -258,7 +260,8 @@ def _analyse(model: nn.Module, base: nn.Module, calls: list[Call], ids: torch.Te
     want = [f"{blocks}.{i}" for i in range(len(base.get_submodule(blocks)))]
     if [calls[i].name for i in at] != want or at != list(range(at[0], at[0] + len(at))):
         raise _refuse(model, f"its forward does not run {blocks}'s layers once each, in order, one after another")
-    found = [_layer_kwargs(model, base.get_submodule(calls[i].name), calls[i]) for i in at]
+    first = hidden_input(calls[at[0]].args, calls[at[0]].kwargs)
+    found = [_layer_kwargs(model, base.get_submodule(calls[i].name), calls[i], k, first) for k, i in enumerate(at)]
     if any(not same(computed, found[0][1]) for _, computed in found):
         raise _refuse(model, f"its forward hands its layers different {sorted(found[0][1])} (pp_tp computes one set)")
     block_kwargs = frozenset().union(*(supplied for supplied, _ in found))

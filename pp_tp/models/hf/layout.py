@@ -24,7 +24,7 @@ from torch import nn
 
 from pp_tp.errors import ConfigError
 from pp_tp.layout import Edge, ModelDims, ModelLayout, in_order
-from pp_tp.models.hf import hyper, per_layer_inputs
+from pp_tp.models.hf import carried, hyper, per_layer_inputs
 from pp_tp.models.hf.block_context import BlockContext, block_ids, layer_types_of
 from pp_tp.models.hf.buffers import init_buffers
 from pp_tp.models.hf.discover import ComputedInputs, EmbedCall, PpPlan, discover, embedding_parent
@@ -199,8 +199,10 @@ def compose(model: nn.Module) -> ModelLayout:
     rotary = next((f"{prefix}.{n}" for n in extra if "position_ids" in _params(base.get_submodule(n).forward)), None)
     skipped = _refuse_untraceable(model, blocks_key, found)
     _refuse_cross_layer_inputs(model, f"{prefix}.{blocks_key}", blocks, found)
+    streams = hyper.streams(model.config) or (2 if ple is not None else 1)
+    carry = carried.find(model, f"{prefix}.{blocks_key}", blocks, found, streams)
     types = dict(zip((id(b) for b in blocks), layer_types_of(model.config, len(blocks))))
-    block_kwargs = _params(blocks[0].forward) | pp_plan.block_kwargs | pp_plan.computed
+    block_kwargs = _params(blocks[0].forward) | pp_plan.block_kwargs | pp_plan.computed | carry.keys
     context = {"attention_mask", "position_ids", "position_embeddings"}
     if not block_kwargs & context and _takes_var_keywords(blocks[0]):
         block_kwargs |= context  # a layer naming none of them hands its **kwargs on (DeepSeek-V4)
@@ -215,14 +217,16 @@ def compose(model: nn.Module) -> ModelLayout:
     return dataclasses.replace(
         HF,
         specialize=None,
-        dims=_dims,
+        dims=carry.dims(_dims),
         blocks=f"{prefix}.{blocks_key}",
         shared=tuple(f"{prefix}.{name}" for name in extra),
         block_inputs=ctx.inputs,
         # Positions from the ids' shape, biases from the batch's shape: packed documents' positions reach neither.
         document_block_inputs=None if pp_plan.positions_from_ids or pp_plan.computed else ctx.document_inputs,
-        **_stream_steps(
-            pp_plan, model, ple, (pre, tuple(ple_held), collapse), head, skipping(ctx.call, blocks, skipped)
+        **carry.steps(
+            _stream_steps(
+                pp_plan, model, ple, (pre, tuple(ple_held), collapse), head, skipping(ctx.call, blocks, skipped)
+            )
         ),
         tp_plan=tp_plan,
         tp_refusal=tp_refusal,

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pp_tp.errors import ConfigError
 from pp_tp.models.hf.small import small_config
 from pp_tp.parallel.rng import DROPOUT_MODULES
 
@@ -222,5 +223,11 @@ def record_of(model: nn.Module) -> Record:
     small = small_config(model.config)
     key = (type(model), small.to_json_string(use_diff=False), transformers.__version__)
     if key not in _RECORDS:
-        _RECORDS[key] = Record(type(model), small)
+        try:
+            _RECORDS[key] = Record(type(model), small)
+        except Exception as e:  # noqa: BLE001 - transformers cannot build the small copy (Zamba with one hybrid layer)
+            why = f"{small.num_hidden_layers}-layer copy ({type(e).__name__}: {str(e)[:120]})".replace("\n", " ")
+            raise ConfigError(
+                f"model {type(model).__name__}: transformers cannot build its {why}, which pp_tp traces"
+            ) from None
     return _RECORDS[key]
