@@ -99,9 +99,10 @@ class LayoutEvaluator:
         return self.fit(self.outline(p))
 
     def fit(self, o: Outline) -> LayoutPlan | None:
-        """`evaluate` of an outlined layout: its stages measured (cached), its policies picked per pp rank."""
+        """`evaluate` of an outlined layout: per pp rank its stages measured (cached) and its policy picked; the
+        first rank that no policy fits ends it, before later ranks' stage kinds are measured."""
         p, plan, actions, microbatch = o.pcfg, o.plan, o.actions, o.microbatch
-        ranks = []
+        ranks, picks, walked = [], [], []
         for r in range(p.pp):
             specs = plan.for_rank(r)
             costs = [
@@ -110,13 +111,12 @@ class LayoutEvaluator:
                 )
                 for s in specs
             ]
-            ranks.append(rank_memory(r, [s.index for s in specs], costs, p))
-        picks, walked = [], []
-        for rank in ranks:
+            rank = rank_memory(r, [s.index for s in specs], costs, p)
             seen: dict[FsdpPolicy, Walk] = {}
-            pick = choose(rank, actions[rank.pp_rank], p, self._counts(rank, actions[rank.pp_rank], p), seen)
+            pick = choose(rank, actions[r], p, self._counts(rank, actions[r], p), seen)
             if pick is None:
                 return None
+            ranks.append(rank)
             picks.append(pick)
             walked.append(seen)
         p = with_picks(p, picks)
