@@ -123,3 +123,25 @@ def test_moe_layouts_search_ep_and_evaluate_like_the_full_dry_run():
     dev, dims = Device(*DEVICES["H100"]), evaluator.costs.dims
     extra = step_time(cfg, lay, dev, dims, experts) - step_time(cfg, lay, dev, dims)
     assert extra == pytest.approx(2 * 32768 / dev.nvlink_bw * (1 + lay.bubble), rel=1e-6)
+
+
+def test_search_stops_at_the_step_time_floor_and_measures_less(monkeypatch):
+    """The branch and bound builds fewer probe stages than the exhaustive search (counted where the cache calls
+    pp_tp.planner.stage_build.build_stage, not timed), and its floor is below each layout's step time."""
+    import pp_tp.planner.stage_costs as stage_costs
+    from pp_tp.planner.search import DEVICES, Device, search, step_time, time_floor
+
+    builds = []
+    build = stage_costs.build_stage
+    monkeypatch.setattr(stage_costs, "build_stage", lambda *a, **k: builds.append(1) or build(*a, **k))
+    cfg = config_from_dict(JOB, world_size=WORLD)
+    dev = Device(*DEVICES["H100"])
+    best = search(cfg, WORLD, 0.002, dev, 3)
+    assert len(best) == 3 and len(builds) <= 15  # the exhaustive search (f099c18) built 63 probe stages here
+    assert [c.step_time_s for c in best] == sorted(c.step_time_s for c in best)
+    model = build_model(cfg.model, "meta")
+    evaluator = LayoutEvaluator(cfg, WORLD, model, layout_for(model))
+    for kw in LAYOUTS:
+        outline = evaluator.outline(_auto(cfg, kw, 1.0))
+        lay = evaluator.fit(outline)
+        assert 0 < time_floor(cfg, outline, dev, evaluator.costs.dims) <= step_time(cfg, lay, dev, evaluator.costs.dims)

@@ -42,15 +42,20 @@ def options(pcfg: ParallelConfig, pp_rank: int) -> list[Pair]:
 
 
 def choose(
-    rank: RankMemory, actions: list, pcfg: ParallelConfig, counts: Callable[[FsdpPolicy], Walk] | None = None
+    rank: RankMemory,
+    actions: list,
+    pcfg: ParallelConfig,
+    counts: Callable[[FsdpPolicy], Walk] | None = None,
+    walks: dict[FsdpPolicy, Walk] | None = None,
 ) -> Pair | None:
     """This rank's pair: of the options whose predicted peak fits the budget, the one moving the fewest FSDP
     bytes, then the one with the smallest peak, then the first listed; None when none fits.
 
     Peaks are walked in order of bytes moved, stopping at the first option moving more than one that fits.
     `counts(policy)` gives the walk whose collective counts to use: they depend on the action order and the
-    policy only, so the layout search caches them across layouts; by default the rank's own walk."""
-    walks: dict[FsdpPolicy, Walk] = {}
+    policy only, so the layout search caches them across layouts; by default the rank's own walk. `walks`, when
+    given, keeps the walks this rank's peaks were read from (the search settles the rank with the picked one)."""
+    walks = {} if walks is None else walks
 
     def walk(policy: FsdpPolicy) -> Walk:
         if policy not in walks:

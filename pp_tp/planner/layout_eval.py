@@ -24,6 +24,18 @@ from pp_tp.planner.walk import Walk, walk_step
 from pp_tp.split.plan import StagePlan, plan_stages
 
 
+@dataclass(frozen=True)
+class Outline:
+    """What a layout is before any stage is measured: its validated [parallel], stage plan, schedule actions,
+    simulated bubble and microbatch (enough for the search's step-time lower bound)."""
+
+    pcfg: ParallelConfig
+    plan: StagePlan
+    actions: list
+    bubble: float
+    microbatch: int
+
+
 @dataclass
 class LayoutPlan:
     """What the search needs of one layout: plan, per-rank memory (settled) and walks, bubble."""
@@ -76,12 +88,21 @@ class LayoutEvaluator:
 
         return counts
 
-    def evaluate(self, p: ParallelConfig) -> LayoutPlan | None:
-        """The layout with "auto" FSDP policies resolved under p.memory_budget_gib; None if it does not fit."""
+    def outline(self, p: ParallelConfig) -> Outline:
+        """The layout validated and planned, nothing measured; ConfigError when the config rules refuse it."""
         p = validate(dataclasses.replace(self.cfg, parallel=p), self.world).parallel
         plan, (actions, bubble) = self._plan(p), self._schedule(p)
-        microbatch = self.cfg.training.batch_size // (p.dp * p.microbatches)
-        ranks = []
+        return Outline(p, plan, actions, bubble, self.cfg.training.batch_size // (p.dp * p.microbatches))
+
+    def evaluate(self, p: ParallelConfig) -> LayoutPlan | None:
+        """The layout with "auto" FSDP policies resolved under p.memory_budget_gib; None if it does not fit."""
+        return self.fit(self.outline(p))
+
+    def fit(self, o: Outline) -> LayoutPlan | None:
+        """`evaluate` of an outlined layout: per pp rank its stages measured (cached) and its policy picked; the
+        first rank that no policy fits ends it, before later ranks' stage kinds are measured."""
+        p, plan, actions, microbatch = o.pcfg, o.plan, o.actions, o.microbatch
+        ranks, picks, walked = [], [], []
         for r in range(p.pp):
             specs = plan.for_rank(r)
             costs = [
@@ -90,16 +111,20 @@ class LayoutEvaluator:
                 )
                 for s in specs
             ]
-            ranks.append(rank_memory(r, [s.index for s in specs], costs, p))
-        picks = []
-        for rank in ranks:
-            pick = choose(rank, actions[rank.pp_rank], p, self._counts(rank, actions[rank.pp_rank], p))
+            rank = rank_memory(r, [s.index for s in specs], costs, p)
+            seen: dict[FsdpPolicy, Walk] = {}
+            pick = choose(rank, actions[r], p, self._counts(rank, actions[r], p), seen)
             if pick is None:
                 return None
+            ranks.append(rank)
             picks.append(pick)
+            walked.append(seen)
         p = with_picks(p, picks)
         final = [dataclasses.replace(r, policy=FsdpPolicy.for_rank(p, r.pp_rank)) for r in ranks]
-        walks = [walk_step(actions[r.pp_rank], r.sizes, r.policy, p.microbatches) for r in final]
+        walks = [
+            seen.get(r.policy) or walk_step(actions[r.pp_rank], r.sizes, r.policy, p.microbatches)
+            for r, seen in zip(final, walked)
+        ]
         for r, w in zip(final, walks):
             settle(r, w)
-        return LayoutPlan(p, microbatch, plan, final, walks, bubble)
+        return LayoutPlan(p, microbatch, plan, final, walks, o.bubble)

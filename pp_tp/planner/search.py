@@ -24,6 +24,7 @@ rank the (reshard, grad-reduce) pairs "auto" picks from. Each layout is evaluate
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from pp_tp.layout import ModelDims, layout_for
 from pp_tp.models.factory import build_model
 from pp_tp.planner.auto import GIB, comm_bytes
 from pp_tp.planner.context import rank_kv_bytes
-from pp_tp.planner.layout_eval import LayoutEvaluator, LayoutPlan
+from pp_tp.planner.layout_eval import LayoutEvaluator, LayoutPlan, Outline
 from pp_tp.planner.moe import Experts, model_experts, rank_all_to_all_bytes
 
 DEVICES = {"H100": (989e12, 450e9, 50e9), "H200": (989e12, 450e9, 50e9)}  # bf16 dense FLOP/s, NVLink, IB B/s
@@ -59,30 +60,47 @@ class Candidate:
     bubble: float
 
 
-def step_time(cfg: JobConfig, lay: LayoutPlan, dev: Device, dims: ModelDims, experts: Experts | None = None) -> float:
-    """Seconds per step of the evaluated layout under the cost model in the module docstring."""
-    p, t = lay.pcfg, cfg.training
+def _busy(cfg: JobConfig, o: Outline, dev: Device, dims: ModelDims, experts: Experts | None) -> list[tuple]:
+    """Per pp rank (seconds of compute + TP + EP + CP traffic, of which compute): what the step time needs beyond
+    FSDP, from the outline alone (the cost model in the module docstring)."""
+    p, t = o.pcfg, cfg.training
     d = dims.dim
-    tokens = lay.microbatch * t.seq_len
+    tokens = o.microbatch * t.seq_len
     recompute = {"full": 4 / 3, "selective": 1.1}.get(p.activation_checkpoint, 1.0)
-    worst = 0.0
-    for r, walk in zip(lay.ranks, lay.walks):
-        stages = lay.plan.for_rank(r.pp_rank)
+    out = []
+    for r in range(p.pp):
+        stages = o.plan.for_rank(r)
         local = tokens / p.cp  # each cp rank runs its head-tail share of every sequence
         compute = sum(s.cost for s in stages) * local * p.microbatches * recompute / p.tp / dev.peak_flops
         blocks = sum(len(s.blocks) for s in stages)
         ar = 2 * (p.tp - 1) / p.tp * local * d * 2 / dev.nvlink_bw if p.tp > 1 else 0.0
         tp_time = 4 * blocks * p.microbatches * ar
-        shard = p.dp_shard * p.cp  # FSDP's group
-        bw = dev.nvlink_bw if p.tp * shard <= NODE else dev.ib_bw
-        fsdp = comm_bytes(r, walk) * (shard - 1) / max(shard, 1) / bw
-        kv = rank_kv_bytes(blocks, p, lay.microbatch, t.seq_len, dims)
+        kv = rank_kv_bytes(blocks, p, o.microbatch, t.seq_len, dims)
         cp_time = kv / (dev.nvlink_bw if p.cp * p.tp <= NODE else dev.ib_bw)
         ep_time = 0.0
         if experts is not None and p.ep > 1:  # the ep group is ep x tp neighbouring ranks (pp_tp.parallel.mesh)
             sent = rank_all_to_all_bytes(experts, (b for s in stages for b in s.blocks), p, tokens, d)
             ep_time = sent / (dev.nvlink_bw if p.ep * p.tp <= NODE else dev.ib_bw)
-        worst = max(worst, (compute + tp_time + ep_time + cp_time) * (1 + lay.bubble) + max(0.0, fsdp - compute))
+        out.append((compute + tp_time + ep_time + cp_time, compute))
+    return out
+
+
+def time_floor(cfg: JobConfig, o: Outline, dev: Device, dims: ModelDims, experts: Experts | None = None) -> float:
+    """A lower bound of the outlined layout's step_time, whatever its FSDP policies and memory: step_time adds the
+    exposed FSDP time, max(0, ...), to each rank's term (IEEE rounding is monotone, so the bound holds exactly)."""
+    return max(busy * (1 + o.bubble) for busy, _ in _busy(cfg, o, dev, dims, experts))
+
+
+def step_time(cfg: JobConfig, lay: LayoutPlan, dev: Device, dims: ModelDims, experts: Experts | None = None) -> float:
+    """Seconds per step of the evaluated layout under the cost model in the module docstring."""
+    p = lay.pcfg
+    o = Outline(p, lay.plan, [], lay.bubble, lay.microbatch)
+    worst = 0.0
+    for (busy, compute), r, walk in zip(_busy(cfg, o, dev, dims, experts), lay.ranks, lay.walks):
+        shard = p.dp_shard * p.cp  # FSDP's group
+        bw = dev.nvlink_bw if p.tp * shard <= NODE else dev.ib_bw
+        fsdp = comm_bytes(r, walk) * (shard - 1) / max(shard, 1) / bw
+        worst = max(worst, busy * (1 + lay.bubble) + max(0.0, fsdp - compute))
     return worst
 
 
@@ -125,27 +143,42 @@ def _layouts(cfg: JobConfig, world: int, experts: Experts | None = None):
 
 
 def search(cfg: JobConfig, world: int, budget_gib: float, dev: Device, top: int) -> list[Candidate]:
-    """The `top` fitting layouts, fastest first; FSDP policies are "auto" under the budget for each."""
+    """The `top` fitting layouts, fastest first (ties in enumeration order); FSDP policies are "auto" under the
+    budget for each.
+
+    Branch and bound: layouts are outlined (validated, planned; nothing measured) and visited in order of
+    time_floor; once `top` fitting layouts are found, a layout whose floor exceeds the slowest of them cannot
+    enter the list, nor can any after it, so the search stops there. The answer is the exhaustive search's."""
     model = build_model(cfg.model, "meta")
     layout = layout_for(model)
     evaluator = LayoutEvaluator(cfg, world, model, layout)
     experts = model_experts(model, layout)
-    found = []
-    for kw in _layouts(cfg, world, experts):
+    dims = evaluator.costs.dims
+    outlines = []
+    for i, kw in enumerate(_layouts(cfg, world, experts)):
         pcfg = dataclasses.replace(
             cfg.parallel, **kw, fsdp_reshard_after_forward="auto", fsdp_grad_reduce="auto",
             memory_budget_gib=budget_gib, split="balanced", layers_per_stage=None, stage_fqns=None,
             compile=False, float8=False,
         )  # fmt: skip
         try:
-            lay = evaluator.evaluate(pcfg)
+            o = evaluator.outline(pcfg)
         except ConfigError:
             continue  # not a valid layout for this model and batch
+        outlines.append((time_floor(cfg, o, dev, dims, experts), i, o))
+    found: list[tuple[float, int, Candidate]] = []
+    for floor, i, o in sorted(outlines, key=lambda x: x[:2]):
+        if top <= len(found) and floor > found[top - 1][0]:
+            break
+        try:
+            lay = evaluator.fit(o)
+        except ConfigError:
+            continue  # refused once its stages are built
         if lay is not None:
             keys = {k: getattr(lay.pcfg, k) for k in PARALLEL_KEYS + POLICY_KEYS}
-            time_s = step_time(cfg, lay, dev, evaluator.costs.dims, experts)
-            found.append(Candidate(keys, lay.peak_bytes / GIB, time_s, lay.bubble))
-    return sorted(found, key=lambda c: c.step_time_s)[:top]
+            time_s = step_time(cfg, lay, dev, dims, experts)
+            bisect.insort(found, (time_s, i, Candidate(keys, lay.peak_bytes / GIB, time_s, lay.bubble)))
+    return [c for _, _, c in found[:top]]
 
 
-__all__ = ["DEVICES", "Candidate", "Device", "search", "step_time"]
+__all__ = ["DEVICES", "Candidate", "Device", "search", "step_time", "time_floor"]
