@@ -103,7 +103,8 @@ def test_logprobs_equal_the_plain_model_on_every_layout_forward_only(world):
         for name, got in r.items():
             assert max(got["scores"]) <= 1.0, (name, got)
             assert got["grads_same"] and got["rng_same"], (name, got)
-            assert got["built"] == [16, 24], (name, got)  # seq 16 (the step's, reused twice), then 24: once each
+            cp = dict((n, kw.get("cp", 1)) for n, kw, _ in LOGPROB_LAYOUTS)[name]  # a microbatch's seq is local
+            assert got["built"] == [16 // cp, 24 // cp], (name, got)  # 16 (the step's, reused twice), 24: once each
 
 
 # --- GRPO through step(..., extras=, loss_fn="grpo") -------------------------------------------------------------
