@@ -6,6 +6,7 @@ these, this file is the only place to mend; nothing else in pp_tp imports a priv
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -227,15 +228,40 @@ def local_index_runs(t: torch.Tensor) -> list[list[tuple[int, int]]] | None:
             else Replicate()
             for p in t.placements
         ]
-        index = distribute_tensor(torch.arange(n), t.device_mesh, along, src_data_rank=None).to_local().tolist()
-        dim_runs: list[tuple[int, int]] = []
-        for i in index:
-            if dim_runs and dim_runs[-1][0] + dim_runs[-1][1] == i:
-                dim_runs[-1] = (dim_runs[-1][0], dim_runs[-1][1] + 1)
-            else:
-                dim_runs.append((i, 1))
-        runs.append(dim_runs)
+        runs.append(_runs(distribute_tensor(torch.arange(n), t.device_mesh, along, src_data_rank=None).to_local()))
     return runs
+
+
+@functools.lru_cache(maxsize=1024)
+def block_runs(
+    shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple[Any, ...], coordinate: tuple[int, ...]
+) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per dim, the global (start, length) index runs of the block that the rank at `coordinate` of a DTensor's mesh
+    holds, in its local order: each Shard / _StridedShard splits the indices as `distribute_tensor` splits the tensor
+    (its placement's `_split_tensor`). Public replacement: none (`compute_local_shape_and_global_offset` gives the
+    caller's own block only, and as one box, which a _StridedShard block may not be)."""
+    from torch.distributed.tensor import Shard
+
+    runs = []
+    for d, n in enumerate(shape):
+        index = torch.arange(n)
+        for axis, p in enumerate(placements):
+            if isinstance(p, (Shard, StridedShard)) and p.dim % len(shape) == d:
+                along = StridedShard(0, split_factor=p.split_factor) if isinstance(p, StridedShard) else Shard(0)
+                index = along._split_tensor(index, mesh_shape[axis], with_padding=False)[0][coordinate[axis]]
+        runs.append(tuple(_runs(index)))
+    return tuple(runs)
+
+
+def _runs(index: torch.Tensor) -> list[tuple[int, int]]:
+    """A 1-D index tensor as (start, length) runs of consecutive indices, in its order."""
+    out: list[tuple[int, int]] = []
+    for i in index.tolist():
+        if out and out[-1][0] + out[-1][1] == i:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((i, 1))
+    return out
 
 
 def per_part_replicated(t: Any) -> Any:

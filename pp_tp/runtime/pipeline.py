@@ -2,15 +2,18 @@
 the caller's loss) on every rank, whatever stages the rank holds.
 
 Stage input/output shapes are given to torch's PipelineStage up front (static metadata), so no step
-pays for shape inference. A batch of another shape re-plans the stages locally (no communication);
-every rank must see the same shape, as they do when the data loader feeds equal local batches.
+pays for shape inference. A batch of another shape re-plans the stages locally (no communication), once:
+the schedule of each recent shape is kept. Every rank must see the same shape, as they do when the data loader
+feeds equal local batches.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from collections.abc import Iterator
 from operator import attrgetter
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -59,6 +62,9 @@ def _gather_params_once(schedule: PipelineScheduleRuntime) -> None:
         order[rank] = [Action(s, UNSHARD, None) for s in local] + body + [Action(s, RESHARD, None) for s in local]
 
 
+SCHEDULES_KEPT = 8  # microbatch shapes whose schedule a Pipeline keeps (Pipeline._schedule_for)
+
+
 class Pipeline:
     """Runs one training step of the pipelined model; see docs/design.md for the contract.
 
@@ -82,7 +88,7 @@ class Pipeline:
         self._pp_group = built.mesh.get_group("pp")
         self._dp_groups = token_groups(built.mesh)
         self._cp = ContextParallel(built.mesh) if built.pcfg.cp > 1 else None
-        self._shape_key: tuple | None = None
+        self._schedules: OrderedDict[tuple, Any] = OrderedDict()  # (microbatch shape, dtype) -> schedule, LRU
         self.schedule = None
         self.balancing = Balancing(built)  # MoE routing counts, auxiliary loss, expert biases
 
@@ -96,7 +102,19 @@ class Pipeline:
     checkpoint_casts = property(attrgetter("_built.checkpoint_casts"), doc="Counter: dtype casts of an HF load.")
     moe_stats = property(attrgetter("balancing.stats"), doc="The last step's MoE aux loss and tokens per expert.")
 
-    def _build_schedule(self, microbatch: tuple[int, ...], dtype: torch.dtype) -> None:
+    def _schedule_for(self, key: tuple) -> Any:
+        """The schedule of a microbatch (shape, dtype): built on the first batch of that shape (stage shapes, then
+        PipelineStages), then kept for the last `SCHEDULES_KEPT` shapes, so lengths that come back (logprobs or steps
+        of varying sequence length) build nothing; each kept one holds its stages' receive buffers, hence a bound."""
+        if key in self._schedules:
+            self._schedules.move_to_end(key)
+        else:
+            self._schedules[key] = self._build_schedule(*key)
+            if len(self._schedules) > SCHEDULES_KEPT:
+                self._schedules.popitem(last=False)
+        return self._schedules[key]
+
+    def _build_schedule(self, microbatch: tuple[int, ...], dtype: torch.dtype) -> Any:
         shapes = self._built.shapes(microbatch, dtype)
         num_stages = self.pcfg.num_stages
         pstages = []
@@ -129,8 +147,7 @@ class Pipeline:
             )
         if isinstance(schedule, PipelineScheduleRuntime) and fsdp.keeps_params_gathered:
             _gather_params_once(schedule)
-        self.schedule = schedule
-        self._shape_key = (microbatch, dtype)
+        return schedule
 
     def _check_batch(self, where: str, inputs: torch.Tensor, targets: torch.Tensor | None) -> None:
         if not self._targets:
@@ -162,8 +179,7 @@ class Pipeline:
                 f"use a batch that is a multiple of {m}"
             )
         key = ((batch // m, *inputs.shape[1:]), inputs.dtype)
-        if self._shape_key != key:
-            self._build_schedule(*key)
+        self.schedule = self._schedule_for(key)
         inputs = inputs.to(self.device)
         targets = targets.to(self.device) if targets is not None else None
         if not self._targets:
