@@ -5,11 +5,13 @@ feeds them cases through queues. A case is a module-level function called on eve
 values (one per rank) come back to the test. A failing rank's traceback is re-raised in the test; a
 case that fails or hangs tears the world down so the next case starts from a clean one.
 
-DTensor's sharding-propagation caches live on across cases (clearing them after every case cost every case its first
-propagations again); `parallel/mesh.make_mesh` empties them whenever a mesh is built, since DeviceMesh equality
-ignores process groups and a cached spec naming an earlier, equal mesh would send a later case's collectives over the
-earlier mesh's groups (measured when the harness kept the caches and meshes did not clear them: 8 of 16 TP
-all-reduces seen in test_expert_parallel's ledger case after test_context_parallel).
+Between its cases a rank clears DTensor's sharding-propagation caches (`forget_sharding_specs`): torch's DeviceMesh
+equality ignores process groups, so a cached output spec of one case's mesh is handed to a later case whose mesh is
+equal (same ranks, shape and names; its own groups), and the later case's DTensors then reduce over the earlier mesh's
+groups. The numbers are the same (same ranks), but a ledger counting ops on the later mesh's groups came out short
+(measured: test_context_parallel on this world, then 8 of 16 TP all-reduces seen in test_expert_parallel's ledger
+case and 0 of 16 in test_nonlm's ViT case; again with the caches kept and emptied only where a mesh is built: a case
+reusing an older cached mesh after a newer equal one still counted 4 of 8 in test_nonlm's CREDIT case).
 
 Between its cases a world is stopped (SIGSTOP, `pause`): every gloo process group keeps a transport thread that
 wakes about every 10 ms even when idle, and with tens of groups per rank and several worlds alive, idle ranks
@@ -35,6 +37,8 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from pp_tp.base._torch import forget_sharding_specs
 
 CASE_TIMEOUT_S = float(os.environ.get("PP_TP_CASE_TIMEOUT", "600"))
 # Bounds every collective: when one rank fails, its peers error out instead of waiting forever.
@@ -76,6 +80,7 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
             results.put((case_id, rank, True, fn(*args, **kwargs)))
         except BaseException:  # noqa: BLE001 - everything goes back to the test
             results.put((case_id, rank, False, traceback.format_exc()))
+        forget_sharding_specs()
     dist.destroy_process_group()
 
 

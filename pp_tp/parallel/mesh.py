@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from pp_tp.base._torch import flatten_mesh_dims, forget_sharding_specs
+from pp_tp.base._torch import flatten_mesh_dims
 from pp_tp.config import ParallelConfig, check_ep, resolve_dp_shard
 from pp_tp.errors import ConfigError
 
@@ -107,12 +107,7 @@ def build_mesh(pcfg: ParallelConfig) -> DeviceMesh:
 def make_mesh(device: str, pcfg: ParallelConfig, world_size: int) -> DeviceMesh:
     """The 4-D mesh; with parallel.ep > 1 the 5-D one whose flattened "dp_shard" covers ("dp_shard_mod_ep", "ep");
     with parallel.cp > 1 the 5-D one with "cp" and the flattened "dp_shard_cp"; with both, the 6-D one whose
-    flattened "ep" covers ("dp_shard_in_ep", "cp") (`flattened`).
-
-    DTensor caches output specs by mesh equality, which ignores process groups: a mesh equal to an earlier one (the
-    planner's fake mesh, an earlier build's) would be handed specs naming the earlier one, and its DTensors would
-    communicate over the earlier one's groups. Every new mesh starts from an empty cache."""
-    forget_sharding_specs()
+    flattened "ep" covers ("dp_shard_in_ep", "cp") (`flattened`)."""
     pp, dp_replicate, dp_shard, tp = mesh_shape(pcfg, world_size)
     ep, cp = pcfg.ep, pcfg.cp
     if ep == 1 and cp == 1:
