@@ -58,7 +58,8 @@ class Carried:
         (fresh copies, so no layer keeps the pair alive for its backward), the pair handed on."""
 
         def call_block(block: nn.Module, h: torch.Tensor, extras: tuple[Any, ...], **handed: Any) -> torch.Tensor:
-            handed |= dict.fromkeys(self.index_keys, self.index[id(block)])
+            if self.index_keys:  # (no index where none is handed: a family whose trace shows no layers has none)
+                handed |= dict.fromkeys(self.index_keys, self.index[id(block)])
             if not self.stream_keys:
                 return inner(block, h, extras, **handed)
             first = h[:, :, 1]
