@@ -94,7 +94,8 @@ def test_gpt2_and_opt_structures_are_found_from_their_forward():
         ("transformer.ln_f", "lm_head"),
     )
     assert isinstance(gpt2.first.call, EmbedCall)  # learned positions: the forward's own path, not the modules in turn
-    assert "declares no base_model_tp_plan" in gpt2.tp_refusal  # no TP plan: tp > 1 refused in one line
+    # no TP plan declared: its Megatron pairs inferred and proven (tests/test_tp_infer.py), so tp > 1 is not refused
+    assert gpt2.tp_refusal is None and gpt2.tp_plan["attn.c_proj"] == "conv1d_rowwise", (gpt2.tp_refusal, gpt2.tp_plan)
     opt = layout_for(make("opt", "meta"))
     assert (opt.first.modules, opt.blocks, opt.last.modules[0]) == (
         ("model.decoder.embed_tokens", "model.decoder.embed_positions"), "model.decoder.layers",
