@@ -82,7 +82,7 @@ def _qwen3_5_moe_finding(layers: int) -> object:
     1 full), hidden 64, 4 experts top-2, linear heads 2 key / 4 value of dim 16, conv kernel 4."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from pp_tp.models.hf.self_check import small_config
+    from pp_tp.models.hf.small import small_config
 
     config = small_config(CONFIG_MAPPING["qwen3_5_moe_text"]())
     linear = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
