@@ -226,7 +226,8 @@ def record_of(model: nn.Module) -> Record:
         try:
             _RECORDS[key] = Record(type(model), small)
         except Exception as e:  # noqa: BLE001 - transformers cannot build the small copy (Zamba with one hybrid layer)
-            why = f"{small.num_hidden_layers}-layer copy ({type(e).__name__}: {str(e)[:120]})".replace("\n", " ")
+            layers = getattr(small, "num_hidden_layers", "small")  # not every config names its depth so
+            why = f"{layers}-layer copy ({type(e).__name__}: {str(e)[:120]})".replace("\n", " ")
             raise ConfigError(
                 f"model {type(model).__name__}: transformers cannot build its {why}, which pp_tp traces"
             ) from None
