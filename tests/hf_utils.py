@@ -125,12 +125,51 @@ def family(kind: type | str, attn: str = "sdpa", per_layer: str = "kinds", **ext
 # --- the one family parity case ---------------------------------------------------------------------------------
 
 
-def family_case(fam: Family, kw: dict, batch: int = 8, steps: int = 2) -> dict:
-    """Per rank: the pipelined build (parallel keys `kw`) against the model's own run on the same seeded weights and
-    batch (rows padded unevenly), in lockstep (pp_tp/parity/lockstep.py): the float64 verdict on the loss, every full
-    gradient (a tied copy against the tied weight's), the parameters after each AdamW step and the persistent
-    buffers; and the stages this rank holds."""
-    pcfg = pu.pcfg_of(**kw)
+class _FirstStepOnce(pu.ReferenceRun):
+    """A reference whose first step (from the family's seeded weights, on the case's batch) is taken once per family
+    and replayed in its other one-step cases: that step reads the weights and the batch, never the layout, so a
+    family run at tp and at ep needs its fp32 and float64 references stepped once (the float64 one is the dearest
+    part of a case, pp_tp/parity/widen.py). Later steps load the pipeline's own parameters: never replayed."""
+
+    def __init__(self, model: nn.Module, memo: dict, key: Any):
+        super().__init__(model, pu.adamw())
+        self.memo, self.key = memo, key
+
+    def in_float64(self) -> pu.ReferenceRun:
+        return _FirstStepOnce(super().in_float64().model, self.memo, (self.key, "float64"))
+
+    def step(self, *batch: torch.Tensor) -> float:
+        if self.losses:
+            raise RuntimeError("only the first step from the model's weights is shared between cases")
+        if self.key not in self.memo:
+            super().step(*batch)
+            named = self.model.named_parameters()
+            self.memo[self.key] = (
+                self.losses[-1],
+                {k: (p.detach().clone(), None if p.grad is None else p.grad.clone()) for k, p in named},
+                {k: b.clone() for k, b in self.buffers().items()},
+            )
+            return self.losses[-1]
+        loss, params, buffers = self.memo[self.key]
+        with torch.no_grad():
+            for k, p in self.model.named_parameters():
+                p.copy_(params[k][0])
+                p.grad = None if params[k][1] is None else params[k][1].clone()
+            for k, b in self.buffers().items():
+                b.copy_(buffers[k])
+        self.losses.append(loss)
+        return loss
+
+
+def family_case(fam: Family, kw: dict, batch: int = 8, memo: dict | None = None) -> dict:
+    """Per rank: the pipelined build (parallel keys `kw`; `steps`, 2 unless it says 1) against the model's own run on
+    the same seeded weights and batch (rows padded unevenly), in lockstep (pp_tp/parity/lockstep.py): the float64
+    verdict on the loss, every full gradient (a tied copy against the tied weight's), the parameters after each AdamW
+    step and the persistent buffers; and the stages this rank holds. A second step proves the optimizer state
+    carried; one step suffices where another case of the layout takes two. `memo`: one-step cases of one family
+    share their references' step (`_FirstStepOnce`)."""
+    steps = kw.get("steps", 2)
+    pcfg = pu.pcfg_of(**{k: v for k, v in kw.items() if k != "steps"})
     ids, labels = pu.batch(ModelArgs(vocab_size=VOCAB), batch, SEQ, pad=True)
     torch.manual_seed(0)
     model = fam.make()
@@ -138,7 +177,9 @@ def family_case(fam: Family, kw: dict, batch: int = 8, steps: int = 2) -> dict:
     model.load_state_dict(state, strict=False)
     assert all(torch.equal(b, state[k]) for k, b in persistent_buffers(model).items())
     pipe = pp_tp.build_pipeline(fam.make("meta"), pu.mesh_for(pcfg), pcfg, state_dict=state)
-    run, ref = pu.PipelineRun(pipe, pu.adamw()), pu.ReferenceRun(model, pu.adamw())
+    shared = memo is not None and steps == 1
+    ref = _FirstStepOnce(model, memo, (fam, batch)) if shared else pu.ReferenceRun(model, pu.adamw())
+    run = pu.PipelineRun(pipe, pu.adamw())
     return {
         **pu.summary(list(pu.lockstep(run, ref, [(ids, labels)] * steps))),
         "buffers": len(run.buffers()),
@@ -147,8 +188,10 @@ def family_case(fam: Family, kw: dict, batch: int = 8, steps: int = 2) -> dict:
 
 
 def run_families(cases: list[tuple[Family, dict]]) -> list[dict]:
-    """A harness case: every (family, parallel keys) case on this rank."""
-    return [family_case(fam, kw) for fam, kw in cases]
+    """A harness case: every (family, parallel keys) case on this rank, the one-step cases of a family sharing its
+    references' step."""
+    memo: dict = {}
+    return [family_case(fam, kw, memo=memo) for fam, kw in cases]
 
 
 def assert_exact(results: list[list[dict]], cases: list[tuple[Any, dict]]) -> None:

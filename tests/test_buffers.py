@@ -2,8 +2,9 @@
 source, nothing is left as uninitialized memory, and every rank reaches one verdict.
 
 Families from their own default config shrunk by the self-check's rule (tests/test_hf_families.py `make`):
-pipelined against the model's own run (loss, every full gradient, parameters after two AdamW steps, every
-persistent buffer), with buffers moved off their init so a stage that kept `to_empty` memory or the init fails.
+pipelined against the model's own run (loss, every full gradient, parameters after each AdamW step, every persistent
+buffer; two steps in the first case of each layout kind, one in the other), with buffers moved off their init so a stage
+that kept `to_empty` memory or the init fails.
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ DP = dict(pp=2, dp_shard=2)
 # bench/family_sweep.py).
 CASES = [
     ("deepseek_v3", dict(**DP, schedule="Interleaved1F1B", microbatches=2)),
-    ("exaone_moe", dict(**DP, schedule="ZBVZeroBubble", microbatches=4)),
+    ("exaone_moe", dict(**DP, schedule="ZBVZeroBubble", microbatches=4, steps=1)),
     ("minimax_m2", dict(**DP, schedule="GPipe", microbatches=2)),
-    ("apertus", dict(**DP, schedule="1F1B", microbatches=2)),  # XIELU params (under TP its MLP runs whole)
+    ("apertus", dict(**DP, schedule="1F1B", microbatches=2, steps=1)),  # XIELU params (under TP its MLP runs whole)
 ]
 WITH_BUFFERS = {"deepseek_v3", "exaone_moe", "minimax_m2", "apertus"}
 

@@ -6,8 +6,9 @@ model's own run, or refused in one line; Llama 4 (text); and
 randomness beyond dropout in a family's training forward (pp_tp/models/hf/randomness.py), accepted
 outside TP regions.
 
-Tiny configs built here, fp32. Exactness: loss, every full gradient and the parameters after two AdamW steps against
-the model's own run, in lockstep (pp_tp/parity/lockstep.py, the float64 verdict), all cases in one 4-rank world.
+Tiny configs built here, fp32. Exactness: loss, every full gradient and the parameters after each AdamW step (two in the
+first case of each layout, one in the others) against the model's own run, in lockstep (pp_tp/parity/lockstep.py, the
+float64 verdict), all cases in one 4-rank world.
 """
 
 from __future__ import annotations
@@ -208,17 +209,18 @@ def test_router_noise_outside_sharded_regions_is_accepted():
 
 
 DP2 = dict(pp=2, dp_shard=2, schedule="1F1B", microbatches=2)
+ONE = dict(DP2, steps=1)  # the layout's two steps: GPT-2's case
 CASES = [
     ("gpt2", DP2, {}),
     ("opt", dict(DP2, schedule="Interleaved1F1B"), {}),
-    ("llama4_text", DP2, {}),
+    ("llama4_text", ONE, {}),
     ("phimoe", dict(pp=2, tp=2, schedule="1F1B", microbatches=2), dict(router_jitter_noise=0.0)),
-    ("bloom", DP2, {}),  # ALiBi computed per microbatch by BLOOM's own code
-    ("mpt", DP2, {}),  # ALiBi as position_bias, its mask handed to layers as bool
-    ("bert-generation", DP2, {}),  # embeddings and layers inside wrappers, no final norm
-    ("rwkv", DP2, {}),  # its forward threads a `state` from layer to layer only with a cache: None in training
-    ("ctrl", DP2, {}),  # its scale and sinusoidal positions in its own code, replayed by the first stage
-    ("mllama", DP2, {}),  # cross-attention layers skipped on text alone: stage 1 holds only skipped ones; grads None
+    ("bloom", ONE, {}),  # ALiBi computed per microbatch by BLOOM's own code
+    ("mpt", ONE, {}),  # ALiBi as position_bias, its mask handed to layers as bool
+    ("bert-generation", ONE, {}),  # embeddings and layers inside wrappers, no final norm
+    ("rwkv", ONE, {}),  # its forward threads a `state` from layer to layer only with a cache: None in training
+    ("ctrl", ONE, {}),  # its scale and sinusoidal positions in its own code, replayed by the first stage
+    ("mllama", ONE, {}),  # cross-attention layers skipped on text alone: stage 1 holds only skipped ones; grads None
 ]
 
 

@@ -88,28 +88,30 @@ TP = dict(tp=2, embedding="vocab_parallel")
 # (family, layout) pairs: pp2 x tp2 across 1F1B, an interleaved and a V schedule; some with dp2 and padding.
 # Tied families without `embedding` run on the default ("auto": vocab-parallel because they tie and tp > 1). Families
 # whose paths these cover (Mistral's sliding window, Cohere, StarCoder2, Qwen3-MoE) run in bench/family_sweep.py.
+# Two AdamW steps (the optimizer state carried) in the first case of each layout kind (mesh, stages per rank,
+# embedding); one in the others (`steps=1`), whose two cases of one family share the references' step (hf_utils).
 CASES4 = [
     ("llama_tied", dict(pp=2, schedule="ZBVZeroBubble", microbatches=4, **TP)),  # one rank holds both ends
-    ("llama", dict(pp=2, schedule="Interleaved1F1B", microbatches=2, **TP, loss_parallel=True)),
-    ("qwen2_tied_bias", dict(pp=2, schedule="Interleaved1F1B", microbatches=2, **TP)),
+    ("llama", dict(pp=2, schedule="Interleaved1F1B", microbatches=2, **TP, loss_parallel=True, steps=1)),
+    ("qwen2_tied_bias", dict(pp=2, schedule="Interleaved1F1B", microbatches=2, **TP, steps=1)),
     ("qwen3", dict(pp=2, schedule="1F1B", microbatches=2, **TP)),
-    ("gemma_tied_scaled", dict(pp=2, schedule="DualPipeV", microbatches=4, tp=2)),
-    ("reference_tied", dict(pp=2, schedule="Interleaved1F1B", microbatches=2, **TP)),
-    ("gemma2_softcap", dict(pp=2, schedule="1F1B", microbatches=2, **TP)),
-    ("gemma3_alternating", dict(pp=2, schedule="Interleaved1F1B", microbatches=2, **TP)),
-    ("granite", dict(pp=2, schedule="1F1B", microbatches=2, **TP, loss_parallel=True)),
-    ("phi3_fused", dict(pp=2, schedule="ZBVZeroBubble", microbatches=4, **TP)),
+    ("gemma_tied_scaled", dict(pp=2, schedule="DualPipeV", microbatches=4, tp=2, steps=1)),
+    ("reference_tied", dict(pp=2, schedule="Interleaved1F1B", microbatches=2, **TP, steps=1)),
+    ("gemma2_softcap", dict(pp=2, schedule="1F1B", microbatches=2, **TP, steps=1)),
+    ("gemma3_alternating", dict(pp=2, schedule="Interleaved1F1B", microbatches=2, **TP, steps=1)),
+    ("granite", dict(pp=2, schedule="1F1B", microbatches=2, **TP, loss_parallel=True, steps=1)),
+    ("phi3_fused", dict(pp=2, schedule="ZBVZeroBubble", microbatches=4, **TP, steps=1)),
     ("phi3_mha", dict(pp=1, dp_shard=2, schedule="1F1B", microbatches=2, **TP)),  # per part, FSDP on dim 1
-    ("olmo2_fullwidth_norm", dict(pp=2, schedule="1F1B", microbatches=2, **TP)),
+    ("olmo2_fullwidth_norm", dict(pp=2, schedule="1F1B", microbatches=2, **TP, steps=1)),
     ("mixtral_moe", dict(pp=2, dp_shard=2, schedule="ZBVZeroBubble", microbatches=4)),  # experts whole per rank
     ("smollm3_nope_layers", dict(pp=2, schedule="1F1B", microbatches=2, tp=2)),
-    ("cohere2_sliding", dict(pp=2, schedule="Interleaved1F1B", microbatches=2, **TP)),
-    ("qwen2_window_layers", dict(pp=2, schedule="1F1B", microbatches=2, **TP)),
-    ("granite_swa_sinks", dict(pp=2, schedule="1F1B", microbatches=2, **TP)),
-    ("llama4_text", dict(pp=2, schedule="1F1B", microbatches=2, tp=2)),  # TP of transposed experts
+    ("cohere2_sliding", dict(pp=2, schedule="Interleaved1F1B", microbatches=2, **TP, steps=1)),
+    ("qwen2_window_layers", dict(pp=2, schedule="1F1B", microbatches=2, **TP, steps=1)),
+    ("granite_swa_sinks", dict(pp=2, schedule="1F1B", microbatches=2, **TP, steps=1)),
+    ("llama4_text", dict(pp=2, schedule="1F1B", microbatches=2, tp=2, steps=1)),  # TP of transposed experts
     ("llama4_text", dict(pp=2, dp_shard=2, ep=2, schedule="1F1B", microbatches=2)),  # EP of dense experts
-    ("olmoe", dict(pp=2, schedule="1F1B", microbatches=2, tp=2)),
-    ("olmoe", dict(pp=2, dp_shard=2, ep=2, schedule="1F1B", microbatches=2)),
+    ("olmoe", dict(pp=2, schedule="1F1B", microbatches=2, tp=2, steps=1)),
+    ("olmoe", dict(pp=2, dp_shard=2, ep=2, schedule="1F1B", microbatches=2, steps=1)),
 ]
 CASES8 = [
     ("llama_tied", dict(pp=2, dp_shard=2, schedule="1F1B", microbatches=2, **TP)),

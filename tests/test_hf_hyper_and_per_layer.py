@@ -2,7 +2,8 @@
 the final norm), token ids on every stage (DeepSeek-V4's hash-routed MoE layers), per-layer configs (Gemma 4: `head_dim`
 per layer through `config.per_layer_config[i]`) and per-layer inputs (Gemma 4's, packed beside the hidden state across
 stage boundaries; with its MoE blocks at pp2 x ep2 too), exact against the model's own run (fp32: loss, every full
-gradient, parameters after two AdamW steps; test_hf_families' lockstep), and what cannot be given exactly refused in
+gradient, parameters after each AdamW step, two in the first case of each layout, the other cases of one family
+sharing the references' step; tests/hf_utils.py's lockstep case), and what cannot be given exactly refused in
 one line.
 
 DeepSeek-V4 runs at pp2 x ep2 (experts split over ep, FSDP over dp_shard 2) and at pp2 x tp2: its declared TP plan
@@ -21,7 +22,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import transformers as T
-from hf_utils import BASE, assert_exact, family, family_case
+from hf_utils import BASE, assert_exact, family, run_families
 from test_hf_families import _preflight
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -53,13 +54,15 @@ FAMILIES = {
     "moshi_causal_mask": family("moshi", sliding_window=4),
 }
 CASES = [
-    ("deepseek_v4_score_routed", dict(pp=2, dp_shard=2, ep=2, schedule="1F1B", microbatches=2)),
-    ("gemma4_per_layer_head_dim", dict(pp=2, tp=2, schedule="1F1B", microbatches=2)),
+    ("deepseek_v4_score_routed", dict(pp=2, dp_shard=2, ep=2, schedule="1F1B", microbatches=2, steps=1)),
+    ("gemma4_per_layer_head_dim", dict(pp=2, tp=2, schedule="1F1B", microbatches=2, steps=1)),
     ("nanochat_norm_before_layers", dict(pp=2, tp=2, schedule="1F1B", microbatches=2)),
     ("moshi_causal_mask", dict(pp=2, dp_shard=2, schedule="1F1B", microbatches=2)),
     ("deepseek_v4_hash_routed", dict(pp=2, dp_shard=2, ep=2, schedule="1F1B", microbatches=2)),
-    ("deepseek_v4_score_routed", dict(pp=2, tp=2, schedule="1F1B", microbatches=2)),  # attention whole, TP experts
-    ("gemma4_moe", dict(pp=2, dp_shard=2, ep=2, schedule="1F1B", microbatches=2)),  # per-layer inputs beside EP
+    # attention whole, TP experts
+    ("deepseek_v4_score_routed", dict(pp=2, tp=2, schedule="1F1B", microbatches=2, steps=1)),
+    # per-layer inputs beside EP
+    ("gemma4_moe", dict(pp=2, dp_shard=2, ep=2, schedule="1F1B", microbatches=2, steps=1)),
 ]
 
 
@@ -86,7 +89,7 @@ def _hash_table() -> Iterator[None]:
 
 def _run(cases: list[tuple[str, dict]]) -> list[dict]:
     with _hash_table():
-        return [family_case(FAMILIES[name], kw) for name, kw in cases]
+        return run_families([(FAMILIES[name], kw) for name, kw in cases])
 
 
 def test_hyper_connections_and_per_layer_head_dims_are_exact(world):

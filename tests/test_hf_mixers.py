@@ -5,7 +5,9 @@ refused in one line.
 
 Each family is its own default config shrunk by the self-check's rule (4 layers cycling its per-layer lists), checked in
 lockstep against the model's own run exactly as tests/test_hf_families.py checks the softmax families (loss, every full
-gradient, parameters after two AdamW steps, buffers), through that file's `family_case`.
+gradient, parameters after each AdamW step, buffers), through tests/hf_utils.py's `family_case`: two steps in the
+first case of each layout (the optimizer state carried), one in the others, whose TP and EP cases of one family share
+the references' step.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ MIXERS = (
 FAMILIES = {name: family(name, per_layer="lists") for name in MIXERS}
 FAMILIES["bamba"] = family("bamba", per_layer="lists", attn_layer_indices=[1])
 
-TP = dict(pp=2, tp=2, schedule="1F1B", microbatches=2)
-EP = dict(pp=2, dp_shard=2, ep=2, schedule="1F1B", microbatches=2)
+TP = dict(pp=2, tp=2, schedule="1F1B", microbatches=2, steps=1)
+EP = dict(pp=2, dp_shard=2, ep=2, schedule="1F1B", microbatches=2, steps=1)
 CASES = [
     ("qwen3_next", TP),  # gated-delta-net, attention heads and TP experts split
     ("qwen3_next", EP),  # gated delta nets beside attention, experts over 2 EP ranks, shared expert gated
@@ -45,7 +47,7 @@ CASES = [
     ("kimi_linear", TP),  # KDA whole, MLA heads split
     ("deepseek_v32", TP),  # MLA heads split, the indexer whole beside the latents
     ("deepseek_v32", EP),  # the indexer's top-k per EP rank's own tokens, experts over 2 EP ranks
-    ("glm_moe_dsa", EP),  # each layer handed the previous one's top-k indices, read by none: not carried
+    ("glm_moe_dsa", dict(EP, steps=2)),  # each layer handed the previous one's top-k indices, read by none: not carried
     ("axk2", TP),  # as V3.2, q_gate_proj reading [q_resid, q_compressed]: its input gradient left partial
     ("jamba", TP),  # Mamba whole, TP experts
     ("jamba", EP),  # experts over 2 EP ranks; uneven padding across dp
@@ -53,7 +55,8 @@ CASES = [
     ("nemotron_h", TP),  # non-gated experts (up_proj, relu2, down_proj) split on their hidden dim
     ("qwen3_5_moe_text", EP),  # gated delta nets beside attention, experts over 2 EP ranks
     ("qwen3_5_moe_text", TP),  # gated delta nets split by heads, TP experts
-    ("bamba", TP),  # Mamba2 split by heads (2 groups, one per TP rank); attention and MLP, unplanned, whole
+    # Mamba2 split by heads (2 groups, one per TP rank); attention and MLP, unplanned, whole
+    ("bamba", dict(TP, steps=2)),
 ]
 
 
