@@ -166,8 +166,9 @@ def family_case(fam: Family, kw: dict, batch: int = 8, memo: dict | None = None)
     the same seeded weights and batch (rows padded unevenly), in lockstep (pp_tp/parity/lockstep.py): the float64
     verdict on the loss, every full gradient (a tied copy against the tied weight's), the parameters after each AdamW
     step and the persistent buffers; and the stages this rank holds. A second step proves the optimizer state
-    carried; one step suffices where another case of the layout takes two. `memo`: one-step cases of one family
-    share their references' step (`_FirstStepOnce`)."""
+    carried: the family tests take two in at least one case of each layout kind (mesh shape, one or two stages per
+    rank) and one in the others. `memo`: one-step cases of one family share their references' step
+    (`_FirstStepOnce`)."""
     steps = kw.get("steps", 2)
     pcfg = pu.pcfg_of(**{k: v for k, v in kw.items() if k != "steps"})
     ids, labels = pu.batch(ModelArgs(vocab_size=VOCAB), batch, SEQ, pad=True)

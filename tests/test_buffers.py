@@ -36,7 +36,7 @@ DP = dict(pp=2, dp_shard=2)
 CASES = [
     ("deepseek_v3", dict(**DP, schedule="Interleaved1F1B", microbatches=2)),
     ("exaone_moe", dict(**DP, schedule="ZBVZeroBubble", microbatches=4, steps=1)),
-    ("minimax_m2", dict(**DP, schedule="GPipe", microbatches=2)),
+    ("minimax_m2", dict(**DP, schedule="GPipe", microbatches=2, steps=1)),
     ("apertus", dict(**DP, schedule="1F1B", microbatches=2, steps=1)),  # XIELU params (under TP its MLP runs whole)
 ]
 WITH_BUFFERS = {"deepseek_v3", "exaone_moe", "minimax_m2", "apertus"}

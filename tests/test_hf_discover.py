@@ -209,12 +209,12 @@ def test_router_noise_outside_sharded_regions_is_accepted():
 
 
 DP2 = dict(pp=2, dp_shard=2, schedule="1F1B", microbatches=2)
-ONE = dict(DP2, steps=1)  # the layout's two steps: GPT-2's case
+ONE = dict(DP2, steps=1)  # one AdamW step; two in GPT-2's case (tests/hf_utils.py `family_case`)
 CASES = [
     ("gpt2", DP2, {}),
-    ("opt", dict(DP2, schedule="Interleaved1F1B"), {}),
+    ("opt", dict(ONE, schedule="Interleaved1F1B"), {}),
     ("llama4_text", ONE, {}),
-    ("phimoe", dict(pp=2, tp=2, schedule="1F1B", microbatches=2), dict(router_jitter_noise=0.0)),
+    ("phimoe", dict(pp=2, tp=2, schedule="1F1B", microbatches=2, steps=1), dict(router_jitter_noise=0.0)),
     ("bloom", ONE, {}),  # ALiBi computed per microbatch by BLOOM's own code
     ("mpt", ONE, {}),  # ALiBi as position_bias, its mask handed to layers as bool
     ("bert-generation", ONE, {}),  # embeddings and layers inside wrappers, no final norm

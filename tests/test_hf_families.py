@@ -88,8 +88,8 @@ TP = dict(tp=2, embedding="vocab_parallel")
 # (family, layout) pairs: pp2 x tp2 across 1F1B, an interleaved and a V schedule; some with dp2 and padding.
 # Tied families without `embedding` run on the default ("auto": vocab-parallel because they tie and tp > 1). Families
 # whose paths these cover (Mistral's sliding window, Cohere, StarCoder2, Qwen3-MoE) run in bench/family_sweep.py.
-# Two AdamW steps (the optimizer state carried) in the first case of each layout kind (mesh, stages per rank,
-# embedding); one in the others (`steps=1`), whose two cases of one family share the references' step (hf_utils).
+# `steps=1`: one AdamW step, two in another case of the layout kind (tests/hf_utils.py `family_case`); a family's
+# one-step cases share the references' step.
 CASES4 = [
     ("llama_tied", dict(pp=2, schedule="ZBVZeroBubble", microbatches=4, **TP)),  # one rank holds both ends
     ("llama", dict(pp=2, schedule="Interleaved1F1B", microbatches=2, **TP, loss_parallel=True, steps=1)),
@@ -115,7 +115,7 @@ CASES4 = [
 ]
 CASES8 = [
     ("llama_tied", dict(pp=2, dp_shard=2, schedule="1F1B", microbatches=2, **TP)),
-    ("gemma2_softcap", dict(pp=2, dp_shard=2, schedule="ZBVZeroBubble", microbatches=4, **TP)),
+    ("gemma2_softcap", dict(pp=2, dp_shard=2, schedule="ZBVZeroBubble", microbatches=4, **TP, steps=1)),
     ("granite", dict(pp=2, dp_replicate=2, schedule="Interleaved1F1B", microbatches=2, **TP)),
 ]
 

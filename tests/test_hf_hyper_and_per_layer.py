@@ -56,8 +56,8 @@ FAMILIES = {
 CASES = [
     ("deepseek_v4_score_routed", dict(pp=2, dp_shard=2, ep=2, schedule="1F1B", microbatches=2, steps=1)),
     ("gemma4_per_layer_head_dim", dict(pp=2, tp=2, schedule="1F1B", microbatches=2, steps=1)),
-    ("nanochat_norm_before_layers", dict(pp=2, tp=2, schedule="1F1B", microbatches=2)),
-    ("moshi_causal_mask", dict(pp=2, dp_shard=2, schedule="1F1B", microbatches=2)),
+    ("nanochat_norm_before_layers", dict(pp=2, tp=2, schedule="1F1B", microbatches=2, steps=1)),
+    ("moshi_causal_mask", dict(pp=2, dp_shard=2, schedule="1F1B", microbatches=2, steps=1)),
     ("deepseek_v4_hash_routed", dict(pp=2, dp_shard=2, ep=2, schedule="1F1B", microbatches=2)),
     # attention whole, TP experts
     ("deepseek_v4_score_routed", dict(pp=2, tp=2, schedule="1F1B", microbatches=2, steps=1)),
