@@ -11,7 +11,9 @@ table, rotary frequencies). It stops where the forward calls a given module (the
 of each layer type is called (the layer arguments). Nothing is adopted unless the same replay of the small copy's
 config reproduces its recorded forward (`replay_target` below, discover._prove_shape_only, position_args.py); the
 self-check then proves the whole composition. Not reproduced, so refused in one line: layer arguments that depend on
-what a module with weights computes before the layers, or on a layer's output beyond its hidden state.
+what a module with weights computes before the layers, or on a layer's output beyond its hidden state. Of the sweep's
+families (docs/family_sweep.md), those with such code (CTRL, RecurrentGemma, BLOOM, MPT, Beam) are all reproduced by
+this one replay; none needs more.
 """
 
 from __future__ import annotations
