@@ -21,8 +21,7 @@ import pp_tp
 from pp_tp.base.tensors import full_tensor, persistent_buffers
 from pp_tp.errors import ConfigError
 from pp_tp.models.hf.randomness import noise_keys, switch_off_noise
-from pp_tp.models.hf.record import is_dropout_key
-from pp_tp.models.hf.self_check import stir_zero_buffers
+from pp_tp.models.hf.record import is_dropout_key, seeded_values
 from pp_tp.models.hf.small import small_config
 from pp_tp.models.reference.model import ModelArgs
 from pp_tp.parallel.tensor_parallel import block_plan
@@ -63,18 +62,6 @@ def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0][:200] if lines else ''}{where}"
 
 
-@torch.no_grad()
-def _seed_values(model: torch.nn.Module) -> None:
-    """Small seeded noise for every parameter (norm weights around 1, so every path carries signal) and for the
-    all-zero persistent float buffers (router biases at init), which a dropped or mangled buffer would then show."""
-    gen = torch.Generator().manual_seed(0)
-    for name, p in model.named_parameters():
-        owner, _, leaf = name.rpartition(".")
-        norm = leaf == "weight" and "norm" in type(model.get_submodule(owner)).__name__.lower()
-        p.copy_(torch.randn(p.shape, generator=gen) * 0.05 + (1.0 if norm else 0.0))
-    stir_zero_buffers(model, gen)
-
-
 def reference_model(model_type: str) -> tuple[torch.nn.Module, str]:
     """The family's default config shrunk by pp_tp's `small_config`, fp32, seeded values; and its attention
     implementation (sdpa, else eager). Raises `Skip` when transformers cannot build it."""
@@ -111,7 +98,7 @@ def reference_model(model_type: str) -> tuple[torch.nn.Module, str]:
         raise Skip(f"{n_params / 1e6:.0f}M parameters after small_config, most in {max(sizes, key=sizes.get)}")
     torch.manual_seed(0)  # whatever the init draws (then overwritten) is the same on every rank
     model = cls._from_config(small, attn_implementation=attn).float()
-    _seed_values(model)
+    seeded_values(model, 0, zero_buffers=True)
     return model.train(), attn
 
 

@@ -83,3 +83,22 @@ def test_the_adapter_hooks_and_stops_forwards_in_one_module_and_caches_in_one():
     caches = [m for s in sources.values() for m in re.findall(r"^(_[A-Z_]+): dict\[.*\] = \{\}", s, re.M)]
     caches += [n for n, s in sources.items() if "functools.cache" in s or "lru_cache" in s]
     assert hooking == ["record.py"] and stopping == ["Stop"] and caches == ["_RECORDS"], (hooking, stopping, caches)
+
+
+def test_one_weightless_prologue_replay_computes_what_the_forward_hands_its_layers():
+    """BLOOM's `alibi` for the model's own 8 heads in bfloat16, by the family's own forward on a meta stand-in of the
+    model's config (prologue.py: no weight materialized, BLOOM's `word_embeddings_layernorm` passed over), kept in the
+    family's record: the one replay discover, position_args and the first stage's hidden path share."""
+    from transformers.models.bloom.modeling_bloom import BloomModel
+
+    from pp_tp.models.hf.prologue import prologue_of
+
+    with torch.device("meta"):
+        model = T.BloomForCausalLM(T.BloomConfig(hidden_size=32, n_layer=2, n_head=8, vocab_size=64))
+    replay = prologue_of(model, "transformer.h")
+    got = replay.layer_args(3, torch.arange(5).unsqueeze(0), torch.bfloat16, ("alibi",), positions=False)
+    want = BloomModel.build_alibi_tensor(None, torch.ones(3, 5), 8, torch.bfloat16)
+    (alibi,) = (a["alibi"] for a in got.values())  # one layer type
+    assert alibi.dtype == torch.bfloat16 and torch.equal(alibi, want)
+    assert all(p.is_meta for p in replay.model.parameters())
+    assert prologue_of(model, "transformer.h") is replay

@@ -87,7 +87,8 @@ class ModelLayout:
     cannot mask documents (refused in one line).
     ``static_block_inputs``: True when block_inputs depends on h only through its shape, dtype and device (masks,
     rotary tables), so a step computes them once per microbatch shape; False (the default) calls it per microbatch.
-    ``call_block(block, h, extras)``: runs one block, returning the new hidden state.
+    ``call_block(block, h, extras)``: runs one block, returning the new hidden state; one with an ``index`` parameter
+    is also handed the block's global index, its key in ``blocks`` (a Hugging Face layer taking its own: Zamba2).
     ``block_ids``: the blocks read the batch's token ids (DeepSeek-V4's hash routers): `Pipeline.step` hands every
     stage its microbatch's ids (a schedule keyword, as position ids) and the stage appends them to the extras.
     ``init_buffers(stage, model)``: recomputes non-persistent buffers after meta -> device materialization.

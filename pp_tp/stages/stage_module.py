@@ -10,6 +10,7 @@ language model, any shape for others).
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -82,6 +83,8 @@ class StageModule(nn.Module):
             name: aliases.get(name, name) for name, _ in self.named_parameters(remove_duplicate=False)
         }
         self._block_inputs_cache: dict[tuple, tuple[Any, ...]] | None = None  # on only inside reuse_block_inputs()
+        # A call_block naming an `index` parameter is handed each block's global index (its key in `layout.blocks`).
+        self._indexed = "index" in inspect.signature(layout.call_block).parameters
 
     @property
     def is_first(self) -> bool:
@@ -137,8 +140,12 @@ class StageModule(nn.Module):
                 if ids is None:
                     raise TypeError(f"stage {self.spec.index}: its blocks read the token ids; pass input_ids")
                 extras = (*extras, ids)
-            for block in self.block_modules():
-                h = lay.call_block(block, h, extras)
+            for key, block in zip(self.spec.blocks, self.block_modules()):
+                h = (
+                    lay.call_block(block, h, extras, index=int(key))
+                    if self._indexed
+                    else lay.call_block(block, h, extras)
+                )
         if self.is_last:
             h = lay.last.call(self, h, position_ids)
         if isinstance(h, AsyncCollectiveTensor):  # a TP all-reduce/all-gather still in flight: finish it here

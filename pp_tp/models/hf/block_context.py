@@ -12,26 +12,19 @@ from torch import nn
 
 from pp_tp.base._torch import tree_flatten
 from pp_tp.errors import ConfigError
-from pp_tp.models.hf.discover import SUPPLIED, ComputedInputs, same
+from pp_tp.models.hf.discover import SUPPLIED
 from pp_tp.models.hf.handed import Handed
-from pp_tp.models.hf.mixers import FULL, LayerMasks, mask_without_cache
-from pp_tp.models.hf.position_args import PositionArgs, position_args
+from pp_tp.models.hf.mixers import LayerMasks, mask_without_cache
+from pp_tp.models.hf.position_args import position_args
+from pp_tp.models.hf.prologue import LayerArgs, layer_types_of
+from pp_tp.models.hf.trace import same
 
-SLIDING = "sliding_attention"
-
-
-def layer_types_of(config: Any, n_layers: int) -> list[str]:
-    """Each of the first `n_layers` layers' type, as the model's forward picks its mask (mixers.LayerMasks refuses
-    one it cannot)."""
-    types = getattr(config, "layer_types", None)
-    if types is not None:
-        return list(types[:n_layers])
-    return [SLIDING if getattr(config, "sliding_window", None) is not None else FULL] * n_layers
+__all__ = ["BlockContext", "block_ids", "layer_types_of"]  # layer_types_of: prologue.py's, read here by layout.py
 
 
 class BlockContext:
     """What every block of one microbatch needs besides the hidden state: masks, rotary embeddings, and what the
-    family's own code computes from the microbatch's shape (ALiBi biases, `computed`)."""
+    family's own code computes from the microbatch's shape (ALiBi biases, `computed`: the prologue replay's)."""
 
     def __init__(
         self,
@@ -40,7 +33,7 @@ class BlockContext:
         layer_types: dict[int, str],
         block_kwargs: set[str],
         found: Handed | None = None,
-        computed: ComputedInputs | None = None,
+        computed: LayerArgs | None = None,
         mask_dtype: torch.dtype | None = None,
     ):
         """`found`: what the family's own forward hands each layer of its small copy (handed.py), adopted where it
@@ -64,7 +57,7 @@ class BlockContext:
         self.all_tables = tuple(own) if own and not types & set(own) else ()
         self.tables = self.all_tables or tuple(sorted(types & set(own) if own else types))
         self.no_rotary: set[str] = set()  # layer types the forward hands no rotary tables (LaraMini's global layers)
-        self.position_args: PositionArgs | None = None  # per layer type, from the position ids (Beam's query scale)
+        self.position_args: LayerArgs | None = None  # per layer type, from the position ids (Beam's query scale)
         self.tables_per_row = False  # one row of rotary tables broadcast over the batch, unless the forward builds more
         if found is not None:
             self._adopt(model, found)
@@ -99,9 +92,7 @@ class BlockContext:
                 )
             self.masks.makers[kind] = maker
             built[kind] = _try(maker, kw)  # the mask it builds: later layers of this type compare with it
-        handled = (
-            SUPPLIED | {"input_ids", "shared_kv_states"} | set(self.computed.plan.computed if self.computed else ())
-        )
+        handled = SUPPLIED | {"input_ids", "shared_kv_states"} | set(self.computed.keys if self.computed else ())
         self.position_args, keys = position_args(model, found, types, handled)
         self.block_kwargs |= set(keys)
 
@@ -131,7 +122,10 @@ class BlockContext:
             else:
                 embeddings = rotary(h, rows)
         per_type = self.position_args(position_ids, h.shape[0], h.dtype) if self.position_args is not None else {}
-        return position_ids, masks, embeddings, self.computed(h) if self.computed is not None else {}, per_type
+        computed = {}
+        if self.computed is not None:  # equal for every layer (discover.py proves it): the first layer's
+            computed = next(iter(self.computed(position_ids, h.shape[0], h.dtype).values()))
+        return position_ids, masks, embeddings, computed, per_type
 
     def call(self, block: nn.Module, h: torch.Tensor, extras: tuple[Any, ...], **handed: Any) -> torch.Tensor:
         """One decoder layer, called with the keywords the model's own forward passes it; `extras` end with the

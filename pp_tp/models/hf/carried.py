@@ -23,9 +23,9 @@ from torch import nn
 
 from pp_tp.errors import ConfigError
 from pp_tp.layout import Edge, ModelDims
-from pp_tp.models.hf.prelayer import hidden_input
+from pp_tp.models.hf.prologue import hidden_input
 from pp_tp.models.hf.record import Record, record_of, run_until
-from pp_tp.models.hf.trace import bound_arguments
+from pp_tp.models.hf.trace import bound_arguments, same
 
 
 def carries(value: Any, index: int, first: Any) -> bool:
@@ -33,11 +33,7 @@ def carries(value: Any, index: int, first: Any) -> bool:
     position in the list), or a tensor equal to the first layer's hidden input `first` (`find` proves which)."""
     if type(value) is int:
         return value == index
-    return isinstance(value, torch.Tensor) and isinstance(first, torch.Tensor) and _equal(value, first)
-
-
-def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+    return isinstance(value, torch.Tensor) and isinstance(first, torch.Tensor) and same(value, first, dtype=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,19 +43,23 @@ class Carried:
 
     index_keys: tuple[str, ...]
     stream_keys: tuple[str, ...]
-    index: dict[int, int]  # id(block) -> its position in the model's layer list
 
     @property
     def keys(self) -> set[str]:
         return {*self.index_keys, *self.stream_keys}
 
     def call(self, inner: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        """`call_block` handing each layer its index and, with a stream, its hidden state and the carried input
-        (fresh copies, so no layer keeps the pair alive for its backward), the pair handed on."""
+        """`call_block` handing each layer its global `index` (StageModule hands it: the block's key in the layer list)
+        and, with a stream, its hidden state and the carried input (fresh copies, so no layer keeps the pair alive for
+        its backward), the pair handed on."""
 
-        def call_block(block: nn.Module, h: torch.Tensor, extras: tuple[Any, ...], **handed: Any) -> torch.Tensor:
-            if self.index_keys:  # (no index where none is handed: a family whose trace shows no layers has none)
-                handed |= dict.fromkeys(self.index_keys, self.index[id(block)])
+        def call_block(
+            block: nn.Module, h: torch.Tensor, extras: tuple[Any, ...], index: int | None = None, **handed: Any
+        ) -> torch.Tensor:
+            if self.index_keys:  # (none where none is handed: a family whose trace shows no layers has none)
+                if index is None:
+                    raise TypeError(f"{type(block).__name__} takes its layer index ({self.index_keys[0]}): pass index")
+                handed |= dict.fromkeys(self.index_keys, index)
             if not self.stream_keys:
                 return inner(block, h, extras, **handed)
             first = h[:, :, 1]
@@ -112,12 +112,12 @@ class _TwoStreams:
         return dataclasses.replace(self.dims(model), streams=2)
 
 
-def find(model: nn.Module, blocks_fqn: str, blocks: list[nn.Module], found: Any, streams: int) -> Carried:
+def find(model: nn.Module, blocks_fqn: str, found: Any, streams: int) -> Carried:
     """What `found` (handed.Handed: the traced forward of `model`'s small copy, layers `blocks_fqn`) shows the forward
     handing every layer that pp_tp gives it itself; a first-layer input beside other streams (`streams` > 1:
     hyper-connections, per-layer inputs) is refused in one line."""
     if found is None or len(found.layers) < 2 or not found.run_once_in_order():
-        return Carried((), (), {})
+        return Carried((), ())
     layers = found.layers
     index_keys = tuple(sorted(k for k in layers[0] if all(_is_index(a.get(k), i) for i, a in enumerate(layers))))
     width = (found.rows, found.seq, found.config.hidden_size)
@@ -135,7 +135,7 @@ def find(model: nn.Module, blocks_fqn: str, blocks: list[nn.Module], found: Any,
             f"({stream_keys[0]!r}) beside {streams} streams of its own, which pp_tp does not carry together; "
             "register a layout for it (pp_tp.extend.register_layout)"
         )
-    return Carried(index_keys, stream_keys, {id(b): i for i, b in enumerate(blocks)})
+    return Carried(index_keys, stream_keys)
 
 
 def _is_index(value: Any, i: int) -> bool:
@@ -169,7 +169,7 @@ def _prove(record: Record, blocks_fqn: str, keys: tuple[str, ...]) -> tuple[str,
 
 def _is_first(value: Any, first: torch.Tensor, probe: torch.Tensor) -> bool:
     """`value` equals `first` and hands a gradient back to it unchanged."""
-    if not isinstance(value, torch.Tensor) or not value.requires_grad or not _equal(value, first):
+    if not isinstance(value, torch.Tensor) or not value.requires_grad or not same(value, first, dtype=True):
         return False
     (grad,) = torch.autograd.grad(value, first, probe, retain_graph=True, allow_unused=True)
     return grad is not None and torch.equal(grad, probe)

@@ -10,14 +10,13 @@ is the embedding first, then modules on the hidden state (dropout, norms) and le
 with position ids or the ids, added); after them, parameterless modules and at most one final norm (none: GPT-1).
 Every argument the forward hands a layer must be one pp_tp's block context supplies (mask, positions, rotary tables),
 empty, or a tensor proven to depend on the microbatch's shape only (ALiBi biases), which the family's own code then
-computes per microbatch (`ComputedInputs`). Anything else is refused in one line; what is accepted is still proven
-equal to the family's own forward by the self-check. Deterministic and cached per (class, small config), so every
-rank reaches the same structure.
+computes per microbatch (`computed_inputs`: prologue.py). Anything else is refused in one line; what is accepted is
+still proven equal to the family's own forward by the self-check. Deterministic and cached per (class, small
+config), so every rank reaches the same structure.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from typing import Any
 
@@ -26,9 +25,9 @@ from torch import nn
 
 from pp_tp.errors import ConfigError
 from pp_tp.models.hf.carried import carries
-from pp_tp.models.hf.prelayer import Replay, hidden_input, replay_for, replay_target
-from pp_tp.models.hf.record import SEQ, Call, Record, record_of, run_until
-from pp_tp.models.hf.trace import bound_arguments, trace
+from pp_tp.models.hf.prologue import LayerArgs, Prologue, hidden_input, layer_types_of, prologue_of, replay_target
+from pp_tp.models.hf.record import SEQ, Call, Record, record_of
+from pp_tp.models.hf.trace import bound_arguments, same, trace
 
 # What pp_tp's block context hands a layer (pp_tp/models/hf/layout.py:BlockContext.call); any other argument the
 # family's forward passes a layer must be None or False.
@@ -62,10 +61,10 @@ class PpPlan:
     base: str = ""
     steps: tuple[Step, ...] = ()
     block_kwargs: frozenset[str] = frozenset()
-    computed: frozenset[str] = frozenset()  # layer arguments computed by the family's own code (ComputedInputs)
+    computed: frozenset[str] = frozenset()  # layer arguments computed by the family's own code (computed_inputs)
     mask_dtype: torch.dtype | None = None  # the dtype of the mask the forward hands its layers (MPT's bool)
     replay_target: str = ""  # the module before which the forward's own code changes the embedding's output (CTRL)
-    replay: Replay | None = None  # that code, replayed for the model's own config (prelayer.py)
+    replay: Prologue | None = None  # that code, replayed for the model's own config (prologue.py)
 
     @property
     def adds_positions(self) -> bool:
@@ -149,101 +148,42 @@ def _layer_kwargs(model: nn.Module, block: nn.Module, call: Call, index: int, fi
     return frozenset(via_kwargs & SUPPLIED), computed
 
 
-def same(a: Any, b: Any) -> bool:
-    """Equal traced values: both None, equal tensors, or dicts of equal values (masks per layer type, computed
-    layer arguments)."""
-    if isinstance(a, dict) or isinstance(b, dict):
-        return isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if a is None or b is None:
-        return a is b
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.shape == b.shape and torch.equal(a, b)
-    return False
-
-
-def first_layer_inputs(model: nn.Module, plan: PpPlan, ids: torch.Tensor) -> dict[str, Any]:
-    """The arguments `model`'s own forward hands its first layer for `ids`, by name; the forward stops there."""
-    layer = model.get_submodule(f"{plan.base}.{plan.blocks}")[0]
-    with torch.no_grad():
-        reached = run_until(model, {layer: 0}, input_ids=ids, use_cache=False)
-    if not reached:
-        raise _refuse(model, f"its forward does not reach {plan.base}.{plan.blocks}.0")
-    return bound_arguments(layer, reached[0].args, reached[0].kwargs)[0]
-
-
-def stand_in_config(small: Any, heads: int, kv_heads: int | None) -> Any:
-    """`small` with `heads` attention heads (`kv_heads` KV heads) of 4 channels each: a copy whose forward computes
-    the layer arguments of `computed` for a model of that many heads at almost no cost."""
-    config = copy.deepcopy(small)
-    config.num_attention_heads = heads
-    if getattr(config, "num_key_value_heads", None) is not None and kv_heads is not None:
-        config.num_key_value_heads = kv_heads
-    config.hidden_size = 4 * heads
-    if getattr(config, "head_dim", None) is not None:
-        config.head_dim = 4
-    return config
-
-
 def _prove_shape_only(record: Record, plan: PpPlan) -> None:
-    """Refuses unless each computed layer argument (ALiBi biases) depends on the microbatch's shape only: equal on
-    another copy of other weights and head width, for other token ids of the same shape, in training mode (so no
-    dropout of the config's touches it), to what the recorded forward handed its first layer."""
-    model, small, ids = record.model, record.small, record.ids
+    """Refuses unless each computed layer argument (ALiBi biases) depends on the microbatch's shape only: the prologue
+    replay of the small config (no weights, a hidden state of zeros, zero ids, in training mode so no dropout of the
+    config's touches it) hands the first layer what the recorded forward handed it."""
+    model, ids = record.model, record.ids
     layer = model.get_submodule(f"{plan.base}.{plan.blocks}")[0]
     first = next(c for c in record.calls if c.module is layer)
     want = bound_arguments(layer, first.args, first.kwargs)[0]
+    keys = tuple(sorted(plan.computed))
     try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(1)
-            heads, kv_heads = small.num_attention_heads, getattr(small, "num_key_value_heads", None)
-            other = type(model)(stand_in_config(small, heads, kv_heads))
-            other = other.to(torch.float32).train()
-            other_ids = torch.randint(0, small.vocab_size, ids.shape, generator=torch.Generator().manual_seed(1))
-            got = first_layer_inputs(other, dataclasses.replace(plan, base=discovery_base(other)), other_ids)
-    except ConfigError:
-        raise
-    except Exception as e:  # noqa: BLE001 - a copy of other widths that does not run proves nothing: refused
+        replay = Prologue(type(model), record.small, f"{plan.base}.{plan.blocks}")
+        by_type = replay.layer_args(
+            ids.shape[0], torch.arange(ids.shape[1]).unsqueeze(0), torch.float32, keys, False, True
+        )
+        got = by_type[layer_types_of(record.small, 1)[0]]
+    except Exception as e:  # noqa: BLE001 - a replay that does not run proves nothing: refused
         got = {"": e}
-    for key in sorted(plan.computed):
+    for key in keys:
         if not same(got.get(key), want[key]):
             raise _refuse(
                 model, f"its forward hands its layers {key!r}, which depends on more than the microbatch's shape"
             )
 
 
-class ComputedInputs:
-    """The layer arguments a family's forward computes from the microbatch's shape alone (ALiBi biases: BLOOM's
-    `alibi`, MPT's `position_bias`), by the family's own code: a stand-in of the model's head count and 4-channel
-    heads (`stand_in_config`) runs its forward up to its first layer, per microbatch shape and dtype (cached)."""
-
-    def __init__(self, model: nn.Module, plan: PpPlan):
-        c = model.config
-        self.cls, self.plan = type(model), plan
-        self._models: dict[torch.dtype, nn.Module] = {}
-        self._values: dict[tuple[Any, ...], dict[str, torch.Tensor]] = {}
-        try:  # run once here, so a stand-in that cannot run is refused before any collective, not inside a step
-            self.config = stand_in_config(
-                record_of(model).small, c.num_attention_heads, getattr(c, "num_key_value_heads", None)
-            )
-            self(torch.zeros(1, 2, 1))
-        except Exception as e:  # noqa: BLE001
-            why = f"its layers' {sorted(plan.computed)} cannot be computed for its head count ({type(e).__name__})"
-            raise _refuse(model, why) from None
-
-    def __call__(self, h: torch.Tensor) -> dict[str, torch.Tensor]:
-        key = (h.shape[0], h.shape[1], h.dtype, h.device)
-        if key not in self._values:
-            if h.dtype not in self._models:
-                with torch.random.fork_rng(devices=[]), torch.device("cpu"):
-                    torch.manual_seed(0)
-                    stand_in = self.cls(self.config).to(h.dtype).eval()
-                self._models[h.dtype] = stand_in
-            stand_in = self._models[h.dtype]
-            plan = dataclasses.replace(self.plan, base=discovery_base(stand_in))
-            ids = torch.zeros(h.shape[:2], dtype=torch.long)
-            passed = first_layer_inputs(stand_in, plan, ids)
-            self._values[key] = {k: passed[k].to(h.device) for k in self.plan.computed}
-        return self._values[key]
+def computed_inputs(model: nn.Module, plan: PpPlan) -> LayerArgs:
+    """The layer arguments `plan` shows the family's forward computing from the microbatch's shape alone (ALiBi
+    biases: BLOOM's `alibi`, MPT's `position_bias`), by the prologue replay of the model's own config; run once
+    here, so a replay that cannot run is refused before any collective, not inside a step."""
+    try:
+        computed = LayerArgs(prologue_of(model, f"{plan.base}.{plan.blocks}"), tuple(sorted(plan.computed)), False)
+        if not computed(torch.zeros(1, 2, dtype=torch.long), 1, torch.float32):
+            raise RuntimeError("no layer reached")
+    except Exception as e:  # noqa: BLE001
+        why = f"its layers' {sorted(plan.computed)} cannot be computed for its config ({type(e).__name__})"
+        raise _refuse(model, why) from None
+    return computed
 
 
 def _analyse(model: nn.Module, base: nn.Module, calls: list[Call], ids: torch.Tensor) -> PpPlan:
@@ -317,7 +257,7 @@ def discover(model: nn.Module) -> PpPlan:
     if isinstance(found, str):
         raise ConfigError(found)
     base = discovery_base(model)
-    replay = replay_for(model, f"{base}.{found.replay_target}") if found.replay_target else None
+    replay = prologue_of(model, f"{base}.{found.blocks}") if found.replay_target else None
     return dataclasses.replace(found, base=base, replay=replay)
 
 
@@ -361,7 +301,7 @@ class EmbedCall:
         base = self.plan.base
         h = stage.get_submodule(f"{base}.{self.plan.embed}")(ids)
         if self.plan.replay is not None:
-            h = self.plan.replay(ids, h, position_ids, stage.training)
+            h = self.plan.replay.hidden(f"{base}.{self.plan.replay_target}", ids, h, position_ids, stage.training)
         elif self.after is not None:
             h = self.after(h)
         if position_ids is None:

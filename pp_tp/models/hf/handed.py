@@ -13,7 +13,7 @@ from torch import nn
 
 from pp_tp.models.hf.discover import embed_name, embedding_parent
 from pp_tp.models.hf.extras import after_embed
-from pp_tp.models.hf.prelayer import hidden_input, replay_target
+from pp_tp.models.hf.prologue import hidden_input, replay_target
 from pp_tp.models.hf.record import Call, Record, record_of
 from pp_tp.models.hf.trace import bound_arguments, trace
 
@@ -89,7 +89,7 @@ def _changed_outside(model: nn.Module, calls: list[Call], embed: str, ids: torch
     """The first call (the first layer last in `calls`) whose hidden-state input is not the embedding's output as
     the modules before it left it (each module on the hidden state replacing it, a position embedding added, the
     config's own transform first: extras.after_embed, or the forward's own code the first stage replays:
-    prelayer.replay_target): the forward changed it outside any module in a way pp_tp does not reproduce; None where
+    prologue.replay_target): the forward changed it outside any module in a way pp_tp does not reproduce; None where
     nothing was."""
     start = next((i for i, c in enumerate(calls) if c.name == embed), None)
     if start is None or not isinstance(calls[start].out, torch.Tensor):

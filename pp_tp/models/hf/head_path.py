@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pp_tp.models.hf.discover import same
 from pp_tp.models.hf.record import Call, Record, record_of
+from pp_tp.models.hf.trace import same
 
 
 def before_head(model: nn.Module) -> tuple[str, ...]:

@@ -6,7 +6,7 @@ The embedding, blocks and final norm come from the config's `base_model_pp_plan`
 forward calls them: masks built per microbatch by transformers' own mask functions (causal or sliding
 window, per layer type), position ids, rotary embeddings from the model's rotary module (per layer
 type where it has several), and what the family's forward computes from the batch's shape alone (ALiBi biases, by
-its own code: discover.ComputedInputs); with packed documents' position ids, transformers' packed-sequence masks. What
+its own code, replayed: prologue.py); with packed documents' position ids, transformers' packed-sequence masks. What
 the forward does outside its modules (embedding multipliers, logit scaling, final softcapping) is carried into
 the first and last stage. `self_check` then proves the composition equal to the model's own forward on a
 small copy, or refuses the family in one line.
@@ -27,7 +27,7 @@ from pp_tp.layout import Edge, ModelDims, ModelLayout, in_order
 from pp_tp.models.hf import carried, hyper, per_layer_inputs
 from pp_tp.models.hf.block_context import BlockContext, block_ids, layer_types_of
 from pp_tp.models.hf.buffers import init_buffers
-from pp_tp.models.hf.discover import ComputedInputs, EmbedCall, PpPlan, discover, embedding_parent
+from pp_tp.models.hf.discover import EmbedCall, PpPlan, computed_inputs, discover, embedding_parent
 from pp_tp.models.hf.experts import experts_spec
 from pp_tp.models.hf.extras import after_embed, after_head
 from pp_tp.models.hf.handed import Handed, handed
@@ -200,13 +200,13 @@ def compose(model: nn.Module) -> ModelLayout:
     skipped = _refuse_untraceable(model, blocks_key, found)
     _refuse_cross_layer_inputs(model, f"{prefix}.{blocks_key}", blocks, found)
     streams = hyper.streams(model.config) or (2 if ple is not None else 1)
-    carry = carried.find(model, f"{prefix}.{blocks_key}", blocks, found, streams)
+    carry = carried.find(model, f"{prefix}.{blocks_key}", found, streams)
     types = dict(zip((id(b) for b in blocks), layer_types_of(model.config, len(blocks))))
     block_kwargs = _params(blocks[0].forward) | pp_plan.block_kwargs | pp_plan.computed | carry.keys
     context = {"attention_mask", "position_ids", "position_embeddings"}
     if not block_kwargs & context and _takes_var_keywords(blocks[0]):
         block_kwargs |= context  # a layer naming none of them hands its **kwargs on (DeepSeek-V4)
-    computed = ComputedInputs(model, pp_plan) if pp_plan.computed else None
+    computed = computed_inputs(model, pp_plan) if pp_plan.computed else None
     ctx = BlockContext(model, rotary, types, block_kwargs, found, computed, pp_plan.mask_dtype)
     pre = tuple(n for n in (found.pre if found is not None else ()) if n not in pp_plan.after_embed)
     attention = next((n for n, m in blocks[0].named_children() if "Attention" in type(m).__name__), "self_attn")

@@ -28,7 +28,16 @@ from torch import nn
 
 from pp_tp.errors import ConfigError
 from pp_tp.layout import ModelLayout
-from pp_tp.models.hf.record import TRAIN_ROWS, TRAIN_SEQ, Event, Record, quiet, record_of, spread, without_dropout
+from pp_tp.models.hf.record import (
+    TRAIN_ROWS,
+    TRAIN_SEQ,
+    Event,
+    Record,
+    quiet,
+    record_of,
+    seeded_values,
+    without_dropout,
+)
 from pp_tp.parallel.tensor_parallel import block_plan, verify
 from pp_tp.parallel.tp_styles import TP_STYLES
 
@@ -50,7 +59,7 @@ def _draws(cls: type, config: Any) -> bool:
         ids = torch.randint(0, config.vocab_size, (TRAIN_ROWS, TRAIN_SEQ), generator=torch.Generator().manual_seed(0))
         for values in ("init", "spread"):
             if values == "spread":
-                spread(model)
+                seeded_values(model, 0)
             outs = []
             for seed in (1, 2):
                 torch.manual_seed(seed)

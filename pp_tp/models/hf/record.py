@@ -3,14 +3,13 @@
 Everything pp_tp learns about a family by running it comes from a `Record`, one per (model class, small config,
 transformers version): the small copy (small.py) built once, seeded, fp32, CPU, with every dropout rate 0; one eval
 forward on seeded ids with a pre- and post-hook on every module, which records each call (module, arguments,
-output, in the order calls return); and, on an untouched copy in training mode with spread values (randomness.py),
+output, in the order calls return); and, on an untouched copy in training mode with spread values (`seeded_values`),
 one training forward recording the order of module calls and where the CPU generator advanced. The detectors are
 functions of it: structure (discover.py), what each layer is handed (handed.py), the head path (head_path.py),
 threaded state (threaded.py), grouped experts (experts.py), randomness (randomness.py); what they derive, and what the
 probes of a single module (routers, packed experts) and the self-check find for the family, is kept in the record's
-`memo`, so nothing else in the adapter caches. The caller's RNG state is never touched. `run_until` runs a stand-in's
-forward until given modules are reached (the prologue replays of prelayer.py, discover.ComputedInputs,
-position_args.py).
+`memo`, so nothing else in the adapter caches. The caller's RNG state is never touched. `run_until` runs a forward
+until given modules are reached (the prologue replay: prologue.py).
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pp_tp.base.tensors import persistent_buffers
 from pp_tp.errors import ConfigError
 from pp_tp.models.hf.small import small_config
 from pp_tp.parallel.rng import DROPOUT_MODULES
@@ -76,14 +76,23 @@ def quiet(model: nn.Module) -> nn.Module:
 
 
 @torch.no_grad()
-def spread(model: nn.Module) -> None:
-    """Seeded values N(0, 0.05), norm weights around 1: router scores far from the init's, so noise that only acts
-    on near ties (sparsemixer's jitter) shows."""
-    gen = torch.Generator().manual_seed(0)
-    for name, p in model.named_parameters():
+def seeded_values(model: nn.Module, seed: int, params: str | None = "spread", zero_buffers: bool = False) -> None:
+    """Seeded values in place, every draw from one generator seeded `seed`: `params` "spread": N(0, 0.05), norm
+    weights around 1 (router scores far from the init's, so noise that only acts on near ties, sparsemixer's jitter,
+    shows); "stir": N(0, 0.1) added (no zero bias or unit norm left, so a bias added twice or a dropped scale shows);
+    None: left. `zero_buffers`: all-zero floating persistent buffers (router biases at init) get N(0, 0.1), so a
+    composition that dropped or mangled one would show (the self-check, the router probe, bench/family_sweep.py)."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters() if params else ():
+        if params == "stir":
+            p.add_(0.1 * torch.randn(p.shape, generator=gen))
+            continue
         owner, _, leaf = name.rpartition(".")
         norm = leaf == "weight" and "norm" in type(model.get_submodule(owner)).__name__.lower()
         p.copy_(torch.randn(p.shape, generator=gen) * 0.05 + (1.0 if norm else 0.0))
+    for b in persistent_buffers(model).values() if zero_buffers else ():
+        if b.is_floating_point() and not b.any():
+            b.copy_(0.1 * torch.randn(b.shape, generator=gen, dtype=b.dtype))
 
 
 class _Hooks:
@@ -209,7 +218,7 @@ class Record:
 def spread_copy(model: nn.Module) -> nn.Module:
     """A copy of `model` in training mode with spread values."""
     trained = copy.deepcopy(model).train()
-    spread(trained)
+    seeded_values(trained, 0)
     return trained
 
 

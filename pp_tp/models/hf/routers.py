@@ -13,8 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pp_tp.models.hf.record import record_of
-from pp_tp.models.hf.self_check import stir_zero_buffers
+from pp_tp.models.hf.record import record_of, seeded_values
 
 _TOKENS = 16
 
@@ -37,7 +36,7 @@ def _softmax_probe(cls: type, config) -> bool:
             router = cls(config).to(torch.float32)
             for p in router.parameters():
                 p.normal_()
-            stir_zero_buffers(router, torch.Generator().manual_seed(1))
+            seeded_values(router, 1, None, zero_buffers=True)
             out = router(torch.randn(_TOKENS, config.hidden_size))
     except Exception:  # noqa: BLE001 - a router the probe cannot run is one pp_tp cannot identify
         return False

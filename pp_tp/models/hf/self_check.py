@@ -18,11 +18,10 @@ import torch
 from torch import nn
 
 from pp_tp.base.forward import without_cache
-from pp_tp.base.tensors import persistent_buffers
 from pp_tp.errors import ConfigError
 from pp_tp.layout import ModelLayout
 from pp_tp.materialize import materialize
-from pp_tp.models.hf.record import Record, record_of
+from pp_tp.models.hf.record import Record, record_of, seeded_values
 from pp_tp.models.hf.small import small_config
 from pp_tp.split.plan import StageSpec
 from pp_tp.stages.stage_module import StageModule
@@ -48,20 +47,12 @@ def _materialized_stage(
 
 
 @torch.no_grad()
-def stir_zero_buffers(model: nn.Module, gen: torch.Generator) -> None:
-    """All-zero float persistent buffers (router biases at init) get small values drawn from `gen`, so a
-    composition that dropped or mangled one would show in the logits (the self-check and bench/family_sweep.py)."""
-    for b in persistent_buffers(model).values():
-        if b.is_floating_point() and not b.any():
-            b.copy_(0.1 * torch.randn(b.shape, generator=gen, dtype=b.dtype))
-
-
 def _verdict(record: Record, compose: Callable[[nn.Module], ModelLayout]) -> str | None:
     """None when the composition equals the model's forward on the small config, else why not. Deterministic:
     fixed seeds (the caller's RNG state untouched), every value copied, so every rank reaches the same verdict."""
     try:
         model = record.copy()  # the record's seeded small copy, untouched
-        stir_zero_buffers(model, torch.Generator().manual_seed(1))
+        seeded_values(model, 1, None, zero_buffers=True)
         stage = _materialized_stage(record.cls, record.small, model, compose)
         ids = torch.randint(0, record.small.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():

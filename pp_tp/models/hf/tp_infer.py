@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pp_tp.models.hf.record import Record, record_of
+from pp_tp.models.hf.record import Record, record_of, seeded_values
 from pp_tp.models.hf.self_check import TOLERANCE
 from pp_tp.parallel.inferred_styles import LocalHeads, head_count, is_conv1d, localizable
 from pp_tp.parallel.tp_proof import call_order, proven
@@ -171,10 +171,7 @@ def _block_inputs(record: Record, path: str, n_blocks: int) -> list[tuple[tuple,
 
 def _infer(record: Record, path: str, computed: frozenset[str]) -> dict[str, str]:
     model = record.copy()  # never called: a block keeping state from its last call (RecurrentGemma) copies so
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # no zero biases or unit norms: a bias added twice or a dropped scale would show
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    seeded_values(model, 1, "stir")  # no zero biases or unit norms: a bias added twice or a dropped scale would show
     blocks = list(model.get_submodule(path).children())
     inputs = _block_inputs(record, path, len(blocks))
     hidden = model.config.hidden_size

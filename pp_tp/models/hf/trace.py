@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+import torch
 from torch import nn
 
 from pp_tp.models.hf.record import Call, Record
@@ -50,8 +51,9 @@ def trace(record: Record, base_name: str) -> list[Call]:
 
 def bound_arguments(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
     """A layer call's arguments by name, those passed through its `**kwargs` included, the first (the hidden state)
-    left out; and the names that came through `**kwargs`."""
-    signature = inspect.signature(block.forward)
+    left out; and the names that came through `**kwargs`. The class's forward: a stand-in's layer passes its input on
+    with a forward of its own (prologue.py)."""
+    signature = inspect.signature(type(block).forward.__get__(block))
     bound = signature.bind(*args, **kwargs).arguments
     passed: dict[str, Any] = {}
     via_kwargs: set[str] = set()
@@ -62,3 +64,20 @@ def bound_arguments(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
         else:
             passed[name] = value
     return passed, via_kwargs
+
+
+def same(a: Any, b: Any, dtype: bool = False) -> bool:
+    """Equal traced values: both None, equal tensors, or dicts of equal values (masks per layer type, computed
+    layer arguments); with `dtype`, tensors of one dtype only (torch.equal promotes)."""
+    if isinstance(a, dict) or isinstance(b, dict):
+        return (
+            isinstance(a, dict)
+            and isinstance(b, dict)
+            and a.keys() == b.keys()
+            and all(same(a[k], b[k], dtype) for k in a)
+        )
+    if a is None or b is None:
+        return a is b
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and (not dtype or a.dtype == b.dtype) and torch.equal(a, b)
+    return False
