@@ -127,7 +127,10 @@ def family_case(model_type: str, moe_layout: str = "ep", float64: bool = False) 
         "attn": attn,
         "dropout": _dropout_keys(default_config(model_type)),
     }
-    noise = noise_keys(model)  # random draws beyond dropout: pp_tp builds with them on, the runs compare without
+    try:  # pp_tp's analysis of the family: a refusal here is the build's refusal (the same line on every rank)
+        noise = noise_keys(model)  # random draws beyond dropout: pp_tp builds with them on, the runs compare without
+    except ConfigError as e:
+        return {**out, "refused": str(e)}
     out["noise"] = switch_off_noise(model, noise)
     try:
         plain, truth = references(model)

@@ -5,8 +5,9 @@ format): the names and shapes of transformers' own reverse conversion (`conversi
 tensor gathered one expert at a time (`per_expert.py`), so no rank ever holds a whole packed tensor. Each pp rank
 writes the files of its own stages (its rank at dp/ep/tp coordinate 0 writes; its peers only help assemble full
 tensors or experts from TP/EP/FSDP shards, one at a time), so no rank ever holds the whole model: the most a writer
-holds is one file (`max_shard_size`) and one expert. File numbers come from one `all_gather_object` of every
-writer's file plan; rank 0 writes the index, config.json and generation_config.json.
+holds is one file (`max_shard_size`) and one expert, and a whole tensor is gathered by `base.whole_tensor` (the
+tensor plus at most one shard beside it, where DTensor's `full_tensor` held 2.5x). File numbers come from one
+`all_gather_object` of every writer's file plan; rank 0 writes the index, config.json and generation_config.json.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from pp_tp.base.tensors import full_tensor, persistent_buffers
+from pp_tp.base.tensors import persistent_buffers
+from pp_tp.base.whole_tensor import whole_tensor
 from pp_tp.errors import ConfigError
 from pp_tp.hf_checkpoint.conversion import Reverter
 from pp_tp.hf_checkpoint.per_expert import Unit, expert_dims, gather_expert, local_positions, units, write_expert
@@ -188,7 +190,7 @@ def _gather_unit(unit: Unit, t: torch.Tensor, stored: torch.dtype, reverter: Rev
     """Gathers what `unit` writes (a whole tensor, or its experts one at a time) and, on the writer, puts its
     on-disk tensors into `out`."""
     if unit.dim is None:
-        full = full_tensor(t).to(stored)
+        full = whole_tensor(t).to(stored)
         if writer:
             out.update({k: v.contiguous() for k, v in reverter.convert(unit.key, full).items()})
         return

@@ -20,9 +20,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from pp_tp.base.whole_tensor import whole_tensor
 from pp_tp.hf_checkpoint.conversion import Reverter
 from pp_tp.hf_checkpoint.save import owned_tensors
-from pp_tp.runtime.whole_tensor import whole_tensor
 
 
 def iter_full_state_dict(
