@@ -148,7 +148,7 @@ def _first_layer_input(model: torch.nn.Module, blocks: str, ids: torch.Tensor, p
 
 def test_the_ctrl_first_stage_replays_its_forwards_scale_and_sinusoidal_positions():
     """CTRL scales its embeddings by sqrt(d) and adds a sinusoidal table in its own code, not in a module: the first
-    stage replays that code (pp_tp/models/hf/prelayer.py), bit for bit, packed documents' positions included."""
+    stage replays that code (pp_tp/models/hf/prologue.py), bit for bit, packed documents' positions included."""
     from pp_tp.split.plan import StageSpec
     from pp_tp.stages.stage_module import StageModule
 
