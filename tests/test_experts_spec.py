@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from grouped_adamw import grouped_adamw
 from test_hf_families import make
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
@@ -190,7 +189,7 @@ def toy_case(kw: dict) -> dict:
     ref_model = _toy("cpu")
     ref_model.load_state_dict(state, strict=False)
     pipe = pp_tp.build_pipeline(_toy("meta"), pu.mesh_for(pcfg), pcfg, state_dict=copy.deepcopy(state))
-    run, ref = PipelineRun(pipe, grouped_adamw()), ReferenceRun(ref_model, grouped_adamw())
+    run, ref = PipelineRun(pipe, pu.adamw()), ReferenceRun(ref_model, pu.adamw())
     ids, labels = pu.batch(MOE, 8, 16)
     result = pu.summary(list(lockstep(run, ref, [(ids, labels)] * 2)))
     experts = [m for part in pipe.model_parts for m in part.modules() if isinstance(m, ToyExperts)]

@@ -12,7 +12,6 @@ import parity_utils as pu
 import pytest
 import torch
 import torch.nn.functional as F
-from grouped_adamw import grouped_adamw
 from hf_utils import SEQ, VOCAB, seeded_state
 from test_hf_families import make
 from test_model_moe import MOE, MOE_SIGMOID
@@ -85,8 +84,8 @@ def balancing_case(name: str, kw: dict, coef: float, rate: float, steps: int = 2
     model.load_state_dict(state, strict=False)
     moe = pp_tp.MoEConfig(aux_loss_coef=coef, bias_update_rate=rate)
     pipe = pp_tp.build_pipeline(_model(name, "meta"), mesh, pcfg, state_dict=state, moe=moe)
-    ref_opt = grouped_adamw()(list(model.parameters()))
-    opt = grouped_adamw()([p for part in pipe.model_parts for p in part.parameters()])
+    ref_opt = pu.adamw()(list(model.parameters()))
+    opt = pu.adamw()([p for part in pipe.model_parts for p in part.parameters()])
     per = ids.shape[0] // dp_size(mesh)
     share = slice(dp_rank(mesh) * per, (dp_rank(mesh) + 1) * per)
     errs = {"loss": 0.0, "aux": 0.0, "grad": 0.0}

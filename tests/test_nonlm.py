@@ -10,8 +10,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from grouped_adamw import grouped_adamw
-from parity_utils import assert_parity, mesh_for, pcfg_of, summary
+from parity_utils import adamw, assert_parity, mesh_for, pcfg_of, summary
 from torch import nn
 from train_utils import REPO
 
@@ -86,12 +85,12 @@ def _compare(kind: str, loss, normalizer: str, **pkw) -> dict:
     state, (x, y) = _state(kind), _batch(kind)
     model = _model(kind)
     model.load_state_dict(state)
-    ref = ReferenceRun(model, grouped_adamw(), loss=SumLoss(loss, normalizer))
+    ref = ReferenceRun(model, adamw(), loss=SumLoss(loss, normalizer))
     pipe = pp_tp.build_pipeline(
         _model(kind, "meta"), mesh_for(pcfg), pcfg, state_dict=copy.deepcopy(state), loss_fn=loss,
         loss_normalizer=normalizer,
     )  # fmt: skip
-    run = TargetsOnLastStage(pipe, grouped_adamw())
+    run = TargetsOnLastStage(pipe, adamw())
     diffs = list(lockstep(run, ref, [(x, y)] * 2))
     with CommLedger() as led:
         pipe.step(dp_share(pipe.mesh, x), dp_share(pipe.mesh, y))
