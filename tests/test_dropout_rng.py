@@ -7,9 +7,10 @@ same masks (gradients equal to the run without it), and the model trains (loss f
 discipline cannot hold, and `switch_off_dropout`, single-process.
 
 Random draws beyond dropout (PhiMoE's sparsemixer routing with `router_jitter_noise` on, pp_tp/models/hf/randomness.py)
-follow the same discipline: built with the noise on at pp2 x dp2 x tp2 and fed the same tokens on both dp replicas,
-every router's choices are identical on the two TP ranks, differ across dp replicas and differ from the noiseless
-top-1; a TP plan that would put such a draw inside a sharded region is refused for parallel.tp > 1.
+follow the same discipline: built with the noise on at dp2 x tp2 (4 ranks: they draw from the same stage streams as
+dropout, whose difference across stages the 8-rank case proves) and fed the same tokens on both dp replicas, every
+router's choices are identical on the two TP ranks, differ across dp replicas and differ from the noiseless top-1; a
+TP plan that would put such a draw inside a sharded region is refused for parallel.tp > 1.
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ def _noise_case() -> dict:
     """This rank's router choices (routing weights, experts, router logits) in one step of PhiMoE with its sparsemixer
     noise on, every dp replica fed the same tokens."""
     state = pu.seeded({k: v.shape for k, v in _phimoe("meta").named_parameters()}, scale=0.2, norm=0.0)
-    pcfg = pu.pcfg_of(**PCFG)
+    pcfg = pu.pcfg_of(**{**PCFG, "pp": 1})
     pipe = pp_tp.build_pipeline(_phimoe("meta", 0.0), pu.mesh_for(pcfg), pcfg, state_dict=state, rng_seed=3)
     for part in pipe.model_parts:  # the noise on after the build: this test is about the streams it draws from
         for module in part.modules():
@@ -150,19 +151,19 @@ def _noise_case() -> dict:
     finally:
         for hook in hooks:
             hook.remove()
-    return {"coords": tuple(pipe.mesh[d].get_local_rank() for d in ("pp", "dp_shard", "tp")), "records": records}
+    return {"coords": tuple(pipe.mesh[d].get_local_rank() for d in ("dp_shard", "tp")), "records": records}
 
 
 def test_router_noise_follows_the_dropout_discipline(world):
-    ranks = {r["coords"]: r["records"] for r in world(8).run(_noise_case)}
-    for pp, dp in itertools.product(range(2), range(2)):
-        a, b = ranks[(pp, dp, 0)], ranks[(pp, dp, 1)]
-        assert len(a) == 4  # 2 layers x 2 microbatches
+    ranks = {r["coords"]: r["records"] for r in world(4).run(_noise_case)}
+    for dp in range(2):
+        a, b = ranks[(dp, 0)], ranks[(dp, 1)]
+        assert len(a) == 8  # 4 layers x 2 microbatches
         assert all(torch.equal(x, y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))  # TP ranks choose alike
         logits, weights, experts = a[0]
         assert (experts[:, 0] != logits.argmax(-1)).any()  # the noise acts: not always the top-1 expert
     for tp in range(2):  # the first router sees the same values on both dp replicas, and draws differently
-        a, b = ranks[(0, 0, tp)][0], ranks[(0, 1, tp)][0]
+        a, b = ranks[(0, tp)][0], ranks[(1, tp)][0]
         assert torch.equal(a[0], b[0]) and not torch.equal(a[2], b[2]), (a, b)
 
 

@@ -129,8 +129,9 @@ def _errors(got: dict, ref: dict) -> tuple[float, float]:
     return loss, max(pu.rel_err(g, ref["grads"][k]) for k, g in got["grads"].items())
 
 
-def float8_case(**kw) -> dict:
-    """A float8 pipeline step vs the one-process float8 model (same microbatches) and vs fp32 without float8."""
+def float8_case(refs: dict, **kw) -> dict:
+    """A float8 pipeline step vs the one-process float8 model (same microbatches) and vs fp32 without float8; both
+    references are kept in `refs` for the next case (same weights and batch: only the microbatch cuts can differ)."""
     pcfg = pu.pcfg_of(schedule="1F1B", microbatches=2, float8=True, **kw)
     state = pu.reference_state(F8)
     ids, labels = pu.batch(F8, ROWS, SEQ)
@@ -141,8 +142,13 @@ def float8_case(**kw) -> dict:
         for part in got["pipe"].model_parts
         for p in part.parameters()
     )
-    same_f8 = _float8_reference(state, ids, labels, cuts=pcfg.dp * pcfg.microbatches)
-    fp32 = pu.reference_run(state, ids, labels, F8)
+    cuts = pcfg.dp * pcfg.microbatches
+    if cuts not in refs:
+        refs[cuts] = _float8_reference(state, ids, labels, cuts)
+    same_f8 = refs[cuts]
+    if "fp32" not in refs:
+        refs["fp32"] = pu.reference_run(state, ids, labels, F8)
+    fp32 = refs["fp32"]
     return {
         "vs_float8": _errors(got, same_f8),
         "vs_fp32": _errors(got, fp32),
@@ -159,7 +165,8 @@ F8_CASES = [
 
 
 def float8_cases() -> list[dict]:
-    return [float8_case(**kw) for kw, _ in F8_CASES]
+    refs: dict = {}
+    return [float8_case(refs, **kw) for kw, _ in F8_CASES]
 
 
 def test_float8_pipeline_steps_match_one_process_float8_and_fp32_within_float8_precision(world):

@@ -227,11 +227,19 @@ PP2_TP2 = pu.pcfg_of(pp=2, tp=2, schedule="ZBVZeroBubble", microbatches=4)
 V_EP2 = pu.with_(PP2_DP2, ep=2, schedule="DualPipeV", stages_per_rank=2)  # EP under a split backward
 
 
+PARITY = ((PP2_EP2, MOE), (PP2_TP2, MOE), (V_EP2, MOE_SIGMOID))
+
+
+def _all_cases() -> tuple[list[dict], float]:
+    """Every parity case and the seeded build, in one round trip to the world."""
+    return [_parity(pcfg, args) for pcfg, args in PARITY], _seeded(pu.with_(PP2_DP2, ep=2), MOE)
+
+
 def test_moe_pipelined_equals_the_plain_model(world):
     """Loss, every full gradient, parameters and router biases after two AdamW steps, fp32, <= 1e-5."""
-    w = world(4)
-    for pcfg, args in ((PP2_EP2, MOE), (PP2_TP2, MOE), (V_EP2, MOE_SIGMOID)):
-        results = w.run(_parity, pcfg, args)
+    out = world(4).run(_all_cases)
+    for i in range(len(PARITY)):
+        results = [parity[i] for parity, _ in out]
         pu.assert_parity(results)
         assert any("experts.gate_up_proj" in n for n in results[0]["all_names"])
-    assert max(w.run(_seeded, pu.with_(PP2_DP2, ep=2), MOE)) == 0.0  # experts seeded by FQN, whatever ep
+    assert max(seeded for _, seeded in out) == 0.0  # experts seeded by FQN, whatever ep
