@@ -12,6 +12,7 @@ any collective.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 
 import parity_utils as pu
@@ -23,6 +24,7 @@ from pp_tp.errors import ConfigError
 from pp_tp.parallel.fsdp import grad_factor
 
 WORLD = 4
+ARGS2 = dataclasses.replace(pu.TINY, n_layers=2)
 
 
 @pytest.fixture
@@ -31,10 +33,10 @@ def world(world):
     return world(WORLD)
 
 
-def _compare(pcfg: ParallelConfig, hf: bool = False, model=None, steps: int = 2) -> dict:
+def _compare(pcfg: ParallelConfig, hf: bool = False, model=None, steps: int = 2, args=pu.TINY) -> dict:
     """Runs on every rank: the pipelined build against the plain one in lockstep, `steps` steps, clipped at 1.0."""
     if model is None:
-        return pu.compare(pcfg, hf=hf, steps=steps, max_norm=1.0)
+        return pu.compare(pcfg, args, hf=hf, steps=steps, max_norm=1.0)
     state = {k: v.detach().clone() for k, v in model().state_dict().items()}
     ids, labels = pu.batch(pu.TINY, 8, 16)
     ref = pu.ReferenceRun(_loaded(model, state), pu.adamw(), 1.0)
@@ -103,13 +105,14 @@ def test_sliding_window_mistral_pp2_cp2(world):
 def test_split_backward_with_recompute_and_hsdp_with_compile_under_cp(world):
     """The K/V all-gather's backward inside a split (input / weight) backward, recomputed by full activation
     checkpointing; and FSDP over (dp_replicate, dp_shard x cp) with compiled blocks."""
-    for kw in (
-        dict(pp=2, cp=2, microbatches=4, schedule="ZBVZeroBubble", activation_checkpoint="full"),
+    for kw, args in (
+        (dict(pp=2, cp=2, microbatches=4, schedule="ZBVZeroBubble", activation_checkpoint="full"), pu.TINY),
         # aot_eager: dynamo and AOTAutograd capture the blocks as inductor does (test_fsdp.py compiles the same way);
-        # inductor's own code generation cost 40-60 s here on 2 shared cores and proves nothing about cp
-        dict(pp=1, cp=2, dp_replicate=2, microbatches=2, compile=True, compile_backend="aot_eager"),
+        # inductor's own code generation cost 40-60 s here on 2 shared cores and proves nothing about cp. Two blocks:
+        # each compiled block costs its capture, and a second one proves no more.
+        (dict(pp=1, cp=2, dp_replicate=2, microbatches=2, compile=True, compile_backend="aot_eager"), ARGS2),
     ):
-        pu.assert_parity(world.run(_compare, pu.pcfg_of(**kw)))
+        pu.assert_parity(world.run(_compare, pu.pcfg_of(**kw), args=args))
 
 
 @pytest.mark.parametrize(

@@ -45,8 +45,8 @@ def test_a_nan_on_one_stage_stops_every_rank_with_the_same_line(world):
 
 
 def test_skip_nonfinite_skips_the_step_and_trains_on(world):
-    res = world(4).run(nan_case, job(training={"steps": 4, "skip_nonfinite": True}), True)
+    res = world(4).run(nan_case, job(training={"steps": 3, "skip_nonfinite": True}), True)
     for rows in res:
-        assert [r["skipped_steps"] for r in rows] == [0, 1, 1, 1], rows
+        assert [r["skipped_steps"] for r in rows] == [0, 1, 1], rows
         assert math.isnan(rows[1]["loss"]) and all(math.isfinite(r["loss"]) for r in rows[2:]), rows
         assert str(rows) == str(res[0])  # nan != nan

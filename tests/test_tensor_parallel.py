@@ -163,9 +163,9 @@ def test_tp4_and_pp2_tp2_parity(world):
     embed_alone = [["tok_embeddings"], ["layers.0", "layers.1", "layers.2", "layers.3", "norm", "output"]]
     cases = [
         (QKB8, False, dict(tp=4, microbatches=2, **VOCAB_PAR)),
-        (QKB, False, dict(pp=2, tp=2, microbatches=4, **VOCAB_PAR)),
-        # Split backward (input/weight) of zero-bubble schedules through DTensor ops.
-        (QKB, False, dict(pp=2, tp=2, microbatches=4, schedule="ZBVZeroBubble", stages_per_rank=2)),
+        # Split backward (input/weight) of zero-bubble schedules through DTensor ops, with the vocab-parallel
+        # embedding and loss (pp2 x tp2 on 1F1B: tests/test_schedules.py's FULL layout).
+        (QKB, False, dict(pp=2, tp=2, microbatches=4, schedule="ZBVZeroBubble", stages_per_rank=2, **VOCAB_PAR)),
         # Stage 0 is only the vocab-parallel embedding: its all-reduced output crosses the boundary.
         (
             QKB,
