@@ -12,7 +12,9 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 import parity_utils as pu
+import pytest
 import torch
+from one_trip import run_cases
 
 import pp_tp
 from pp_tp.base.tensors import full_tensor
@@ -86,8 +88,14 @@ def planted_case() -> dict:
     return out
 
 
-def test_planted_bugs_fail_and_the_correct_build_passes(world):
-    for r in world(4).run(planted_case):
+@pytest.fixture(scope="module")
+def four_ranks(world) -> dict[str, list]:
+    """Every multi-rank case of this file in one round trip (tests/one_trip.py); the failing reference last."""
+    return run_cases(world(4), [(fn.__name__, fn, ()) for fn in (planted_case, shipped_case, failing_reference_case)])
+
+
+def test_planted_bugs_fail_and_the_correct_build_passes(four_ranks):
+    for r in four_ranks["planted_case"]:
         pu.assert_passes(r["none"])
         assert r["dropped_microbatch"]["scores"]["grads"] > 100, r["dropped_microbatch"]
         assert r["hooks"] == 2 and r["bias_twice"]["scores"]["loss"] > 100, r["bias_twice"]
@@ -125,9 +133,9 @@ def shipped_case() -> list[int]:
         return [run_parity(load_config(path, []), 2) for path in SHIPPED]
 
 
-def test_every_shipped_cpu_config_passes_parity_with_its_defaults(world):
+def test_every_shipped_cpu_config_passes_parity_with_its_defaults(four_ranks):
     assert len(SHIPPED) >= 6, SHIPPED
-    for codes in world(4).run(shipped_case):
+    for codes in four_ranks["shipped_case"]:
         assert codes == [0] * len(SHIPPED), dict(zip(SHIPPED, codes))
 
 
@@ -149,6 +157,6 @@ def failing_reference_case() -> str:
     return "no error"
 
 
-def test_a_reference_failing_on_its_rank_ends_every_rank(world):
-    for message in world(4).run(failing_reference_case):
+def test_a_reference_failing_on_its_rank_ends_every_rank(four_ranks):
+    for message in four_ranks["failing_reference_case"]:
         assert "failed: ValueError: planted reference failure" in message, message

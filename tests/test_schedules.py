@@ -9,13 +9,12 @@ the seven layouts of at most 8 ranks (pp in {2, 4}, tp and dp in {1, 2}) meets a
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
 
 import parity_utils as pu
 import pytest
 import torch
+from one_trip import run_cases
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from pp_tp.errors import ConfigError
@@ -143,18 +142,6 @@ def csv_case(path: str, dp: int) -> dict:
     return pu.compare(pcfg, ARGS4, steps=3, batch_size=4 * dp, seq=12)
 
 
-def cases_in_one_run(cases: list[tuple[str, Callable[..., Any], tuple]]) -> dict[str, Any]:
-    """Every (name, fn, args) case of one world size in one round trip: the layouts' meshes are the session's
-    (parity_utils.mesh_for), so DTensor's sharding caches kept between these cases are keyed by the same meshes."""
-    out = {}
-    for name, fn, args in cases:
-        try:
-            out[name] = fn(*args)
-        except Exception as e:
-            raise RuntimeError(f"case {name} failed") from e
-    return out
-
-
 @pytest.mark.parametrize("size", [8, 4, 2])
 def test_parity_matrix_and_csv_schedule(world, tmp_path, size):
     """The matrix's cases of one world size, and the CSV-driven 1F1B at pp2 (dp 1 in the 2-rank world, dp 2 in the
@@ -168,10 +155,9 @@ def test_parity_matrix_and_csv_schedule(world, tmp_path, size):
         path = tmp_path / "one_f_one_b.csv"
         path.write_text(CSV_1F1B_PP2)
         cases.append((f"csv-dp{size // 2}", csv_case, (str(path), size // 2)))
-    per_rank = world(size).run(cases_in_one_run, cases)
-    for name, _, _ in cases:
+    for name, results in run_cases(world(size), cases).items():
         try:
-            pu.assert_parity([r[name] for r in per_rank])
+            pu.assert_parity(results)
         except AssertionError as e:
             raise AssertionError(f"{name}: {e}") from None
 
