@@ -10,7 +10,7 @@ import io
 import os
 
 import pytest
-from test_parity_verdict import session_meshes
+from one_trip import session_meshes
 from train_utils import REPO
 
 from pp_tp.config import config_from_dict
@@ -53,7 +53,7 @@ def _worst(out: str) -> dict[str, float]:
 
 def float64_cases() -> dict[str, tuple[int, str]]:
     """Every config's float64 parity, then debug_cpu with a weight off by 1e-9, in one round trip on the session's
-    meshes (test_parity_verdict.session_meshes)."""
+    meshes (one_trip.session_meshes)."""
     with session_meshes():
         return {**{name: _parity_case(name) for name in CONFIGS}, "off by 1e-9": _parity_case("debug_cpu", 1e-9)}
 

@@ -4,19 +4,16 @@ with its defaults."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import glob
 import os
-from collections.abc import Iterator
 from dataclasses import replace
 
 import parity_utils as pu
 import pytest
 import torch
-from one_trip import run_cases
+from one_trip import run_cases, session_meshes
 
-import pp_tp
 from pp_tp.base.tensors import full_tensor
 from pp_tp.cli.parity import run_parity
 from pp_tp.config import load_config
@@ -104,27 +101,6 @@ def test_planted_bugs_fail_and_the_correct_build_passes(four_ranks):
         assert shared["scores"] == unshared["scores"], (shared["scores"], unshared["scores"])
         for kind in ("ref_grads", "ref_params"):
             assert all(torch.equal(t, unshared[kind][k]) for k, t in shared[kind].items()), kind
-
-
-@contextlib.contextmanager
-def session_meshes() -> Iterator[None]:
-    """`pp_tp.build_mesh`, which `pp-tp parity` calls once per run, answered from the session's meshes (one per shape,
-    parity_utils.mesh_for): new gloo groups for every config cost more than some configs' runs, and DTensor's
-    sharding caches, kept between the runs of one case, are then keyed by the very meshes the runs use."""
-    build = pp_tp.build_mesh
-
-    def cached(pcfg):
-        pp_tp.build_mesh = build  # mesh_for builds with it
-        try:
-            return pu.mesh_for(pcfg)
-        finally:
-            pp_tp.build_mesh = cached
-
-    pp_tp.build_mesh = cached
-    try:
-        yield
-    finally:
-        pp_tp.build_mesh = build
 
 
 def shipped_case() -> list[int]:
