@@ -11,6 +11,7 @@ import parity_utils as pu
 import pytest
 import torch
 import torch.distributed as dist
+from one_trip import run_cases
 
 from pp_tp.diagnostics.comm_ledger import CommLedger
 
@@ -57,8 +58,15 @@ def ledger_basics_case() -> dict:
     }
 
 
-def test_ledger_sees_backward_dtensor_and_p2p(world):
-    for rank, r in enumerate(world(4).run(ledger_basics_case)):
+@pytest.fixture(scope="module")
+def four_ranks(world) -> dict[str, list]:
+    """Every 4-rank case of this file in one round trip (tests/one_trip.py)."""
+    cases = [ledger_basics_case, ledger_matrix_case, ledger_controls_case, grad_reduce_ledger_case]
+    return run_cases(world(4), [(fn.__name__, fn, ()) for fn in cases])
+
+
+def test_ledger_sees_backward_dtensor_and_p2p(four_ranks):
+    for rank, r in enumerate(four_ranks["ledger_basics_case"]):
         assert r["steps"] == [{"all_reduce": 1}, {"all_gather": 1}, {"send": 1, "recv": 1}], r
         assert r["bytes"] == [{"all_reduce": 32}, {"all_gather": 64}, {"send": 12, "recv": 12}], r
         assert r["sizes"] == [4] and r["dtensor_group_ok"]
@@ -129,8 +137,8 @@ def ledger_matrix_case() -> list[tuple[str, int, dict]]:
     ]
 
 
-def test_ledger_one_all_gather_and_reduce_scatter_per_unit_per_step(world):
-    for per_rank in world(4).run(ledger_matrix_case):
+def test_ledger_one_all_gather_and_reduce_scatter_per_unit_per_step(four_ranks):
+    for per_rank in four_ranks["ledger_matrix_case"]:
         for where, m, r in per_rank:
             for counts, nbytes in zip(r["fsdp"][1:], r["fsdp_bytes"][1:]):
                 assert counts == {"all_gather": r["units"], "reduce_scatter": r["units"]}, (where, counts)
@@ -154,8 +162,8 @@ def ledger_controls_case() -> dict:
     }
 
 
-def test_ledger_controls_detect_repeated_all_gathers(world):
-    for r in world(4).run(ledger_controls_case):
+def test_ledger_controls_detect_repeated_all_gathers(four_ranks):
+    for r in four_ranks["ledger_controls_case"]:
         torch_placement = r["torch_placement"]
         assert torch_placement["fsdp"][1]["all_gather"] > torch_placement["units"]
         assert torch_placement["fsdp"][1]["reduce_scatter"] == torch_placement["units"]
@@ -210,13 +218,13 @@ def grad_reduce_ledger_case() -> list[tuple[dict, dict]]:
     return out
 
 
-def test_ledger_grad_reduce_counts_per_unit(world):
+def test_ledger_grad_reduce_counts_per_unit(four_ranks):
     """Reduce-scatters per unit = ceil(m / k); all-gathers as the planner's step walk predicts for the policy."""
     from pp_tp.config.fsdp_policy import FsdpPolicy
     from pp_tp.planner.schedule_sim import schedule_actions
     from pp_tp.planner.walk import StageBytes, walk_step
 
-    for pp_rank, per_rank in enumerate(world(4).run(grad_reduce_ledger_case)[::2]):  # dp_shard rank 0 of each pp
+    for pp_rank, per_rank in enumerate(four_ranks["grad_reduce_ledger_case"][::2]):  # dp_shard rank 0 of each pp
         for kw, r in per_rank:
             policy = FsdpPolicy.for_rank(pu.pcfg_of(**kw), pp_rank)
             actions = schedule_actions(kw["schedule"], 2, 4, kw["stages_per_rank"])[pp_rank]

@@ -12,29 +12,58 @@ any collective.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 
 import parity_utils as pu
 import pytest
 import torch
+from one_trip import run_cases
 
 from pp_tp.config import ParallelConfig, config_from_dict, resolve_parallel, validate
 from pp_tp.errors import ConfigError
 from pp_tp.parallel.fsdp import grad_factor
 
 WORLD = 4
+ARGS2 = dataclasses.replace(pu.TINY, n_layers=2)
 
 
-@pytest.fixture
-def world(world):
-    """The session's 4-rank world (tests/conftest.py): process start is the costly part."""
-    return world(WORLD)
+SPLIT_BACKWARD = dict(pp=2, cp=2, microbatches=4, schedule="ZBVZeroBubble", activation_checkpoint="full")
+# aot_eager: dynamo and AOTAutograd capture the blocks as inductor does (test_fsdp.py compiles the same way); inductor's
+# own code generation cost 40-60 s here on 2 shared cores and proves nothing about cp. Two blocks: each compiled block
+# costs its capture, and a second one proves no more.
+HSDP_COMPILED = dict(pp=1, cp=2, dp_replicate=2, microbatches=2, compile=True, compile_backend="aot_eager")
+KV = dict(pp=2, cp=2, microbatches=2)
+SEQ = 24
+CP_FAMILIES = [
+    ("gemma2_softcap", dict(pp=2, cp=2, microbatches=2)),  # eager attention: logit softcapping, sliding windows
+    ("gpt_oss", dict(pp=2, cp=2, microbatches=2)),  # eager attention with a sink logit per head; MoE experts
+]
 
 
-def _compare(pcfg: ParallelConfig, hf: bool = False, model=None, steps: int = 2) -> dict:
+@pytest.fixture(scope="module")
+def four_ranks(world) -> dict[str, list]:
+    """Every multi-rank case of this file in the session's 4-rank world, in one round trip (tests/one_trip.py)."""
+    import test_hf_families as hf
+
+    cases = [
+        ("chunks", _chunks, (0,)),
+        ("blocks", _blocks_step, (SEQ,)),
+        ("kv", _kv_ledger, (pu.pcfg_of(**KV),)),
+        ("reference", _compare, (pu.pcfg_of(pp=2, cp=2, microbatches=2),)),
+        ("hf_llama", _compare, (pu.pcfg_of(pp=1, tp=2, cp=2, microbatches=2), True)),
+        ("mistral", _compare, (pu.pcfg_of(pp=2, cp=2, microbatches=2), False, _mistral)),
+        ("families", hf.run_all, (CP_FAMILIES,)),
+        ("split_backward", _compare, (pu.pcfg_of(**SPLIT_BACKWARD),)),
+        ("hsdp_compiled", _compare, (pu.pcfg_of(**HSDP_COMPILED), False, None, 2, ARGS2)),
+    ]
+    return run_cases(world(WORLD), cases)
+
+
+def _compare(pcfg: ParallelConfig, hf: bool = False, model=None, steps: int = 2, args=pu.TINY) -> dict:
     """Runs on every rank: the pipelined build against the plain one in lockstep, `steps` steps, clipped at 1.0."""
     if model is None:
-        return pu.compare(pcfg, hf=hf, steps=steps, max_norm=1.0)
+        return pu.compare(pcfg, args, hf=hf, steps=steps, max_norm=1.0)
     state = {k: v.detach().clone() for k, v in model().state_dict().items()}
     ids, labels = pu.batch(pu.TINY, 8, 16)
     ref = pu.ReferenceRun(_loaded(model, state), pu.adamw(), 1.0)
@@ -74,8 +103,8 @@ def _chunks(_: int) -> list:
     return [cp.shard(ids)[0].tolist(), positions, cp.mask(4, torch.device("cpu")).int().tolist()]
 
 
-def test_head_tail_chunks_and_mask(world):
-    out = world.run(_chunks, 0)
+def test_head_tail_chunks_and_mask(four_ranks):
+    out = four_ranks["chunks"]
     assert out[0][0] == [0, 1, 6, 7] and out[0][1] == [0, 1, 6, 7]  # cp rank 0: chunks 0 and 3
     assert out[1][0] == [2, 3, 4, 5]  # cp rank 1: chunks 1 and 2 (rank 1 of 4 is pp0, cp1)
     # rank 0's queries (0, 1, 6, 7) against keys in gathered order (0, 1, 6, 7, 2, 3, 4, 5)
@@ -87,29 +116,24 @@ def test_head_tail_chunks_and_mask(world):
     ]
 
 
-def test_reference_pp2_cp2_uneven_padding(world):
+def test_reference_pp2_cp2_uneven_padding(four_ranks):
     """Rows padded unevenly (labels -100), two microbatches, clipping at 1.0: every cp rank counts its tokens."""
-    pu.assert_parity(world.run(_compare, pu.pcfg_of(pp=2, cp=2, microbatches=2)))
+    pu.assert_parity(four_ranks["reference"])
 
 
-def test_hf_llama_tp2_cp2(world):
-    pu.assert_parity(world.run(_compare, pu.pcfg_of(pp=1, tp=2, cp=2, microbatches=2), True))
+def test_hf_llama_tp2_cp2(four_ranks):
+    pu.assert_parity(four_ranks["hf_llama"])
 
 
-def test_sliding_window_mistral_pp2_cp2(world):
-    pu.assert_parity(world.run(_compare, pu.pcfg_of(pp=2, cp=2, microbatches=2), model=_mistral))
+def test_sliding_window_mistral_pp2_cp2(four_ranks):
+    pu.assert_parity(four_ranks["mistral"])
 
 
-def test_split_backward_with_recompute_and_hsdp_with_compile_under_cp(world):
+def test_split_backward_with_recompute_and_hsdp_with_compile_under_cp(four_ranks):
     """The K/V all-gather's backward inside a split (input / weight) backward, recomputed by full activation
     checkpointing; and FSDP over (dp_replicate, dp_shard x cp) with compiled blocks."""
-    for kw in (
-        dict(pp=2, cp=2, microbatches=4, schedule="ZBVZeroBubble", activation_checkpoint="full"),
-        # aot_eager: dynamo and AOTAutograd capture the blocks as inductor does (test_fsdp.py compiles the same way);
-        # inductor's own code generation cost 40-60 s here on 2 shared cores and proves nothing about cp
-        dict(pp=1, cp=2, dp_replicate=2, microbatches=2, compile=True, compile_backend="aot_eager"),
-    ):
-        pu.assert_parity(world.run(_compare, pu.pcfg_of(**kw)))
+    pu.assert_parity(four_ranks["split_backward"])
+    pu.assert_parity(four_ranks["hsdp_compiled"])
 
 
 @pytest.mark.parametrize(
@@ -165,11 +189,11 @@ def _kv_ledger(pcfg: ParallelConfig) -> dict:
     return {"on_cp": on_cp, "layers": layers, "analytic": kv_gather_bytes(8 // pcfg.microbatches, 16, dims, pcfg)}
 
 
-def test_kv_all_gather_bytes_equal_the_planners(world):
+def test_kv_all_gather_bytes_equal_the_planners(four_ranks):
     """Per attention layer and microbatch: K and V each all-gathered once over cp, together the planner's
     kv_gather_bytes; their gradients summed back once each (an all-reduce on gloo) of the same size."""
-    pcfg = pu.pcfg_of(pp=2, cp=2, microbatches=2)
-    for r in world.run(_kv_ledger, pcfg):
+    pcfg = pu.pcfg_of(**KV)
+    for r in four_ranks["kv"]:
         per_step = 2 * r["layers"] * pcfg.microbatches  # K and V, per layer and microbatch
         gathers = [n for kind, n in r["on_cp"] if kind == "all_gather"]
         sums = [n for kind, n in r["on_cp"] if kind == "all_reduce" and n == r["analytic"] // 2]
@@ -177,17 +201,11 @@ def test_kv_all_gather_bytes_equal_the_planners(world):
         assert sum(gathers) == r["layers"] * pcfg.microbatches * r["analytic"] == 2 * 2 * 8192, r
 
 
-CP_FAMILIES = [
-    ("gemma2_softcap", dict(pp=2, cp=2, microbatches=2)),  # eager attention: logit softcapping, sliding windows
-    ("gpt_oss", dict(pp=2, cp=2, microbatches=2)),  # eager attention with a sink logit per head; MoE experts
-]
-
-
-def test_softcapping_and_sink_families_under_cp(world):
+def test_softcapping_and_sink_families_under_cp(four_ranks):
     """Transformers' own eager attention functions (softcapping, sinks) on local queries against gathered keys."""
     import test_hf_families as hf
 
-    hf.assert_exact(world.run(hf.run_all, CP_FAMILIES), CP_FAMILIES)
+    hf.assert_exact(four_ranks["families"], CP_FAMILIES)
 
 
 def _blocks_step(seq: int) -> dict:
@@ -232,13 +250,13 @@ def _has_pair(shape: tuple, a: int, b: int) -> bool:
     return any(shape[i : i + 2] == (a, b) for i in range(len(shape) - 1))
 
 
-def test_causal_layers_run_fused_blocks_with_no_mask(world):
+def test_causal_layers_run_fused_blocks_with_no_mask(four_ranks):
     """Plain causal attention under cp2 dispatches only the flash-for-CPU kernel, with no mask: per layer and
     microbatch, cp rank 0 one block for its head chunk and two (prefix, diagonal) for its tail, rank 1 two and two,
     as many backward calls; no [S/cp, S] tensor is saved or made by any op, none is cached. With packed documents
     the layers share one float mask per microbatch."""
-    seq = 24
-    for r in world.run(_blocks_step, seq):
+    seq = SEQ
+    for r in four_ranks["blocks"]:
         calls = r["layers"] * 2 * (3 if r["cp_rank"] == 0 else 4)  # 2 microbatches
         assert r["flash"] == [calls, calls] and not r["masked"] and r["held"] == 0, r["flash"]
         assert not [s for s in r["saved"] | r["shapes"] if _has_pair(s, seq // 2, seq)], r["saved"]

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers as T
+from one_trip import run_cases
 
 import pp_tp
 from pp_tp.errors import ConfigError
@@ -93,25 +94,33 @@ def document_case(name: str, layout: dict = PP2_TP2, layers: int = 2) -> dict:
     }
 
 
-def test_packed_documents_equal_each_document_alone_at_pp2_tp2(world):
+CP_CASES = [
+    ("reference", dict(schedule="Interleaved1F1B", microbatches=2)),
+    ("mistral_tied_sliding", dict(schedule="ZBVZeroBubble", microbatches=4)),
+]
+
+
+@pytest.fixture(scope="module")
+def four_ranks(world) -> dict[str, list]:
+    """Every multi-rank case of this file in one round trip (tests/one_trip.py)."""
+    cases = [(f"{name} pp2 x tp2", document_case, (name,)) for name in ("reference", "mistral_tied_sliding")]
+    cases += [(f"{name} cp", document_case, (name, dict(pp=2, cp=2, **schedule), 4)) for name, schedule in CP_CASES]
+    return run_cases(world(4), cases)
+
+
+def test_packed_documents_equal_each_document_alone_at_pp2_tp2(four_ranks):
     for name in ("reference", "mistral_tied_sliding"):
-        for r in world(4).run(document_case, name):
+        for r in four_ranks[f"{name} pp2 x tp2"]:
             pu.assert_passes(r, name)
             assert r["eval"] <= 1e-5, (name, r)  # forward only: one loss, no optimizer in between
             assert r["plain_gap"] > 1e-3, (name, r)  # the mask matters on this batch: 100x the evaluation's bound
 
 
-@pytest.mark.parametrize(
-    "name, schedule",
-    [
-        ("reference", dict(schedule="Interleaved1F1B", microbatches=2)),
-        ("mistral_tied_sliding", dict(schedule="ZBVZeroBubble", microbatches=4)),
-    ],
-)
-def test_packed_documents_under_context_parallel(world, name, schedule):
+@pytest.mark.parametrize("name, schedule", CP_CASES)
+def test_packed_documents_under_context_parallel(four_ranks, name, schedule):
     """pp2 x cp2, two stages per rank: each cp rank's head-tail chunks keep their queries inside their documents
     (position ids gathered over cp), on an interleaved and a V schedule with split backward."""
-    for r in world(4).run(document_case, name, dict(pp=2, cp=2, **schedule), 4):
+    for r in four_ranks[f"{name} cp"]:
         pu.assert_passes(r, name, schedule)
         assert r["eval"] <= 1e-5 and r["plain_gap"] > 1e-4, (name, r)  # the mask matters: 10x the bound
 

@@ -10,6 +10,7 @@ from dataclasses import replace
 import parity_utils as pu
 import pytest
 import torch
+from one_trip import run_cases
 
 from pp_tp.config import ConfigError, ParallelConfig
 from pp_tp.config.fsdp_policy import FsdpPolicy, uses_fsdp
@@ -107,39 +108,51 @@ PP2_DP2 = [
 ]
 
 
-def test_parity_pp2_dp2_every_schedule_class_and_policy(world):
-    _assert_all(world(4).run(parity_case, PP2_DP2))
+# FSDP over dp = 2, and over a one-rank dp mesh next to TP (bf16 alone switches FSDP on for its casts).
+BF16 = [
+    dict(pp=2, dp_shard=2, schedule="1F1B", microbatches=2, mixed_precision="bf16"),
+    dict(pp=2, tp=2, schedule="Interleaved1F1B", stages_per_rank=2, microbatches=2, mixed_precision="bf16"),
+]
+COMPILED = [dict(pp=2, dp_shard=2, schedule="1F1B", microbatches=2, activation_checkpoint="full", compile=True)]
+SELECTIVE = [
+    dict(
+        pp=2, dp_shard=2, schedule="ZBVZeroBubble", stages_per_rank=2, microbatches=4, activation_checkpoint="selective"
+    )
+]
 
 
-def test_parity_bf16_mixed_precision(world):
-    # FSDP over dp = 2, and over a one-rank dp mesh next to TP (bf16 alone switches FSDP on for its casts).
-    configs = [
-        dict(pp=2, dp_shard=2, schedule="1F1B", microbatches=2, mixed_precision="bf16"),
-        dict(pp=2, tp=2, schedule="Interleaved1F1B", stages_per_rank=2, microbatches=2, mixed_precision="bf16"),
-    ]
-    results = world(4).run(parity_case, configs)
+@pytest.fixture(scope="module")
+def four_ranks(world) -> dict[str, list]:
+    """Every 4-rank parity case of this file in one round trip (tests/one_trip.py)."""
+    return run_cases(
+        world(4),
+        [
+            ("pp2_dp2", parity_case, (PP2_DP2,)),
+            ("bf16", parity_case, (BF16,)),
+            # aot_eager: inductor builds here but takes minutes per block on 2 shared cores; the product default stays.
+            ("compiled", parity_case, (COMPILED, ARGS2, 8, "aot_eager")),
+            ("selective", parity_case, (SELECTIVE,)),
+            ("grad_reduce", parity_case, (GRAD_REDUCE,)),
+        ],
+    )
+
+
+def test_parity_pp2_dp2_every_schedule_class_and_policy(four_ranks):
+    _assert_all(four_ranks["pp2_dp2"])
+
+
+def test_parity_bf16_mixed_precision(four_ranks):
+    results = four_ranks["bf16"]
     _assert_all(results)  # judged with the floor of bf16 roundoff
     # bf16 really ran: fp32 parity is ~1e-7, bf16 compute is off by far more.
     assert all(r["grad_err"] > 1e-4 for per_rank in results for r in per_rank)
 
 
-def test_parity_activation_checkpoint_and_compile(world):
-    configs = [dict(pp=2, dp_shard=2, schedule="1F1B", microbatches=2, activation_checkpoint="full", compile=True)]
-    # aot_eager: inductor builds here but takes minutes per block on 2 shared cores; the product default stays.
-    results = world(4).run(parity_case, configs, ARGS2, backend="aot_eager")
+def test_parity_activation_checkpoint_and_compile(four_ranks):
+    results = four_ranks["compiled"]
     _assert_all(results)
     assert all(r[0]["graphs"] > 0 for r in results), "torch.compile must have captured the blocks"
-    selective = [
-        dict(
-            pp=2,
-            dp_shard=2,
-            schedule="ZBVZeroBubble",
-            stages_per_rank=2,
-            microbatches=4,
-            activation_checkpoint="selective",
-        )
-    ]
-    _assert_all(world(4).run(parity_case, selective))
+    _assert_all(four_ranks["selective"])
 
 
 # pp2 x tp2 x dp_shard2 on 1F1B, InterleavedZeroBubble and DualPipeV: tests/test_schedules.py's FULL layout.
@@ -174,5 +187,5 @@ GRAD_REDUCE = [
 ]
 
 
-def test_parity_grad_reduce_every_k_microbatches(world):
-    _assert_all(world(4).run(parity_case, GRAD_REDUCE))
+def test_parity_grad_reduce_every_k_microbatches(four_ranks):
+    _assert_all(four_ranks["grad_reduce"])

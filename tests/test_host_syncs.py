@@ -26,12 +26,16 @@ def test_the_counter_sees_reads_that_bypass_dispatch():
     assert torch.Tensor.tolist is torch._C.TensorBase.tolist  # unpatched after
 
 
+def _both_layouts() -> dict:
+    """The dense and the MoE case in one round trip (the meshes are parity_utils.mesh_for's: tests/one_trip.py)."""
+    return {name: syncs_case(args, **kw) for name, (args, kw) in LAYOUTS.items()}
+
+
 def test_no_host_sync_in_a_dense_step_and_one_per_moe_layer_and_microbatch(world):
-    args, kw = LAYOUTS["dense pp2 x tp2"]
-    dense = world(4).run(syncs_case, args, **kw)
+    per_rank = world(4).run(_both_layouts)
+    dense = [r["dense pp2 x tp2"] for r in per_rank]
     assert [r["count"] for r in dense] == [0] * 4, [r["where"] for r in dense]
     assert len({r["loss"] for r in dense}) == 1 and dense[0]["loss"] > 0
-    args, kw = LAYOUTS["MoE pp2 x ep2"]
-    for r in world(4).run(syncs_case, args, **kw):
+    for r in (r["MoE pp2 x ep2"] for r in per_rank):
         assert r["moe_calls"] == 16 and r["count"] == r["moe_calls"], r
         assert set(r["where"]) == {next(iter(r["where"]))} and "tolist" in next(iter(r["where"])), r

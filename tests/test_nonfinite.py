@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
+from one_trip import session_meshes
 from train_utils import job
 
 from pp_tp.config import config_from_dict
@@ -36,17 +38,31 @@ def nan_case(d: dict, restore: bool) -> list:
         return [str(e)]
 
 
-def test_a_nan_on_one_stage_stops_every_rank_with_the_same_line(world):
-    res = world(4).run(nan_case, job(training={"steps": 3}), False)
+def both_cases() -> dict[str, list]:
+    """The stopping and the skipping job in one round trip, on the session's meshes (tests/one_trip.py)."""
+    with session_meshes():
+        return {
+            "stop": nan_case(job(training={"steps": 3}), False),
+            "skip": nan_case(job(training={"steps": 3, "skip_nonfinite": True}), True),
+        }
+
+
+@pytest.fixture(scope="module")
+def four_ranks(world) -> list[dict]:
+    return world(4).run(both_cases)
+
+
+def test_a_nan_on_one_stage_stops_every_rank_with_the_same_line(four_ranks):
+    res = [r["stop"] for r in four_ranks]
     assert all(r == res[0] for r in res) and len(res[0]) == 1, res
     line = res[0][0]
     assert line.startswith("step 2: non-finite loss nan") and "first at stage 1 output (ranks 2, 3)" in line, line
     assert "skip_nonfinite" in line and "\n" not in line
 
 
-def test_skip_nonfinite_skips_the_step_and_trains_on(world):
-    res = world(4).run(nan_case, job(training={"steps": 4, "skip_nonfinite": True}), True)
+def test_skip_nonfinite_skips_the_step_and_trains_on(four_ranks):
+    res = [r["skip"] for r in four_ranks]
     for rows in res:
-        assert [r["skipped_steps"] for r in rows] == [0, 1, 1, 1], rows
+        assert [r["skipped_steps"] for r in rows] == [0, 1, 1], rows
         assert math.isnan(rows[1]["loss"]) and all(math.isfinite(r["loss"]) for r in rows[2:]), rows
         assert str(rows) == str(res[0])  # nan != nan

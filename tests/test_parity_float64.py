@@ -10,6 +10,7 @@ import io
 import os
 
 import pytest
+from one_trip import session_meshes
 from train_utils import REPO
 
 from pp_tp.config import config_from_dict
@@ -50,19 +51,22 @@ def _worst(out: str) -> dict[str, float]:
     return {r[1].rstrip(":"): float(r[2]) for r in rows}
 
 
-@pytest.mark.parametrize("name", CONFIGS)
-def test_float64_pipeline_equals_the_float64_plain_model(world, name):
-    (code, out), *others = world(4).run(_parity_case, name)
-    assert code == 0 and all(c == 0 for c, _ in others), out
-    worst = {
-        line.split()[1].rstrip(":"): float(line.split()[2]) for line in out.splitlines() if line.startswith("worst")
-    }
-    assert set(worst) == {"loss", "grads", "params", "buffers"} and max(worst.values()) <= 1e-10, out
-    assert out.rstrip().endswith("per tensor max relative error <= 1e-10: ok"), out
+def float64_cases() -> dict[str, tuple[int, str]]:
+    """Every config's float64 parity, then debug_cpu with a weight off by 1e-9, in one round trip on the session's
+    meshes (one_trip.session_meshes)."""
+    with session_meshes():
+        return {**{name: _parity_case(name) for name in CONFIGS}, "off by 1e-9": _parity_case("debug_cpu", 1e-9)}
 
 
-def test_a_weight_off_by_1e9_fails_the_float64_verdict(world):
-    (code, out), *_ = world(4).run(_parity_case, "debug_cpu", 1e-9)
+def test_float64_pipeline_equals_the_float64_plain_model_and_a_weight_off_by_1e9_fails(world):
+    first, *others = world(4).run(float64_cases)
+    for name in CONFIGS:
+        code, out = first[name]
+        assert code == 0 and all(r[name][0] == 0 for r in others), (name, out)
+        worst = _worst(out)
+        assert set(worst) == {"loss", "grads", "params", "buffers"} and max(worst.values()) <= 1e-10, (name, out)
+        assert out.rstrip().endswith("per tensor max relative error <= 1e-10: ok"), (name, out)
+    code, out = first["off by 1e-9"]
     assert code == 1 and out.rstrip().endswith("FAIL"), out
     worst = _worst(out)
     assert worst["params"] >= 1e-9 and worst["grads"] > 1e-10, out  # seen: 1.9e-8 and 2.2e-8

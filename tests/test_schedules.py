@@ -1,9 +1,10 @@
 """Schedules: the registry's constraints, the Pipeline runner's contract, and the parity matrix.
 
-The matrix runs every schedule on three layouts against the single-process build, with uneven padding: loss,
-every full gradient and parameters after 2 AdamW steps, fp32, relative error <= 1e-5. Every schedule runs at
-pp2 x tp2 x dp2 (all three dims at once), at one pp4 layout and at one small pp2 layout, rotating so that each of
-the seven layouts of at most 8 ranks (pp in {2, 4}, tp and dp in {1, 2}) meets at least two schedules.
+The matrix runs the schedules on the layouts against the single-process build, with uneven padding: loss, every full
+gradient and parameters after 2 AdamW steps, judged by the float64 verdict (pp_tp/parity). Every schedule runs at one
+pp4 layout and at one small pp2 layout, rotating so that each of the seven layouts of at most 8 ranks (pp in {2, 4},
+tp and dp in {1, 2}) meets at least two schedules, and one schedule of each kind at pp2 x tp2 x dp2 (all three dims at
+once). The cases of one world size run in one round trip (tests/one_trip.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import replace
 import parity_utils as pu
 import pytest
 import torch
+from one_trip import run_cases
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from pp_tp.errors import ConfigError
@@ -114,7 +116,10 @@ def _pcfg(pp: int, tp: int, dp: int, schedule: str):
 
 def matrix_case(pp: int, tp: int, dp: int, schedule: str) -> dict:
     pcfg = _pcfg(pp, tp, dp, schedule)
-    args = ARGS8 if pp * pcfg.stages_per_rank > 2 else ARGS4
+    stages = pp * pcfg.stages_per_rank
+    # Two blocks a stage at 4 ranks or fewer (every multi-stage schedule meets that at its PP2 layout); one at 8 ranks,
+    # where every block costs 8 processes on this machine's cores.
+    args = ARGS8 if stages > 2 and (pp * tp * dp < 8 or stages == 8) else ARGS4
     return pu.compare(pcfg, args, steps=2, batch_size=dp * pcfg.microbatches * 2, seq=12)
 
 
@@ -123,21 +128,14 @@ def matrix_case(pp: int, tp: int, dp: int, schedule: str) -> dict:
 ON_FULL = ("1F1B", "InterleavedZeroBubble", "DualPipeV")
 
 
-def _matrix_params():
+def _matrix_cases() -> list[tuple[tuple[int, int, int], str]]:
     """Each schedule at one PP4 and one PP2 layout (rotating), one of each kind at FULL too: 17 cases covering every
     schedule, every dimension and every layout, where the full product (49 cases) was most of the suite's time."""
-    cases = [
+    return [
         (layout, s)
         for i, s in enumerate(SCHEDULES)
         for layout in ((FULL,) if s in ON_FULL else ()) + (PP4[i % 3], PP2[(i + 1) % 3])
     ]
-    return [pytest.param(layout, s, id=f"pp{layout[0]}-tp{layout[1]}-dp{layout[2]}-{s}") for layout, s in cases]
-
-
-@pytest.mark.parametrize("layout, schedule", _matrix_params())
-def test_parity_matrix(world, layout, schedule):
-    pp, tp, dp = layout
-    pu.assert_parity(world(pp * tp * dp).run(matrix_case, pp, tp, dp, schedule))
 
 
 def csv_case(path: str, dp: int) -> dict:
@@ -145,11 +143,35 @@ def csv_case(path: str, dp: int) -> dict:
     return pu.compare(pcfg, ARGS4, steps=3, batch_size=4 * dp, seq=12)
 
 
-@pytest.mark.parametrize("dp", [1, 2])
-def test_csv_schedule_parity(world, tmp_path, dp):
-    path = tmp_path / "one_f_one_b.csv"
-    path.write_text(CSV_1F1B_PP2)
-    pu.assert_parity(world(2 * dp).run(csv_case, str(path), dp))
+@pytest.mark.parametrize("size", [8, 4, 2])
+def test_parity_matrix_and_csv_schedule(world, tmp_path, size):
+    """The matrix's cases of one world size, and the CSV-driven 1F1B at pp2 (dp 1 in the 2-rank world, dp 2 in the
+    4-rank one), in one round trip."""
+    cases = [
+        (f"pp{pp}-tp{tp}-dp{dp}-{s}", matrix_case, (pp, tp, dp, s))
+        for (pp, tp, dp), s in _matrix_cases()
+        if pp * tp * dp == size
+    ]
+    if size < 8:
+        path = tmp_path / "one_f_one_b.csv"
+        path.write_text(CSV_1F1B_PP2)
+        cases.append((f"csv-dp{size // 2}", csv_case, (str(path), size // 2)))
+    for name, results in run_cases(world(size), cases).items():
+        try:
+            pu.assert_parity(results)
+        except AssertionError as e:
+            raise AssertionError(f"{name}: {e}") from None
+
+
+def test_matrix_covers_every_schedule_and_layout():
+    """The matrix the test above runs: every schedule at FULL or a PP4 layout and at a PP2 one; every layout meets at
+    least two schedules."""
+    cases = _matrix_cases()
+    assert len(cases) == 17
+    for s in SCHEDULES:
+        assert {layout[0] for layout, name in cases if name == s} == {2, 4}, s
+    for layout in [FULL, *PP4, *PP2]:
+        assert sum(where == layout for where, _ in cases) >= 2, layout
 
 
 # --- the runner's contract -----------------------------------------------------------------------

@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 import torch
+from one_trip import run_cases
 from parity_utils import TINY, assert_parity, batch, compare, make_model, mesh_for, pcfg_of
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -150,22 +151,31 @@ def _assert_all(per_rank: list[list[dict]], cases: list[tuple]) -> None:
             raise AssertionError(f"{case}: {e}") from None
 
 
-def test_tp2_parity(world):
-    cases = [
-        (QKB, False, dict(tp=2, microbatches=2)),  # replicated embedding, gathered logits
-        (QKB, False, dict(tp=2, microbatches=2, **VOCAB_PAR)),
-        (HF_BIAS, True, dict(tp=2, microbatches=2, **VOCAB_PAR)),  # HF LlamaForCausalLM
-    ]
-    _assert_all(world(2).run(_parity_cases, cases), cases)
+TP2 = [
+    (QKB, False, dict(tp=2, microbatches=2)),  # replicated embedding, gathered logits
+    (QKB, False, dict(tp=2, microbatches=2, **VOCAB_PAR)),
+    (HF_BIAS, True, dict(tp=2, microbatches=2, **VOCAB_PAR)),  # HF LlamaForCausalLM
+]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(world) -> dict[str, list]:
+    """Every 2-rank case of this file in one round trip (tests/one_trip.py)."""
+    cases = [("parity", _parity_cases, (TP2,)), ("counts", _collective_cases, ()), ("shapes", _shape_errors, ())]
+    return run_cases(world(2), cases)
+
+
+def test_tp2_parity(two_ranks):
+    _assert_all(two_ranks["parity"], TP2)
 
 
 def test_tp4_and_pp2_tp2_parity(world):
     embed_alone = [["tok_embeddings"], ["layers.0", "layers.1", "layers.2", "layers.3", "norm", "output"]]
     cases = [
         (QKB8, False, dict(tp=4, microbatches=2, **VOCAB_PAR)),
-        (QKB, False, dict(pp=2, tp=2, microbatches=4, **VOCAB_PAR)),
-        # Split backward (input/weight) of zero-bubble schedules through DTensor ops.
-        (QKB, False, dict(pp=2, tp=2, microbatches=4, schedule="ZBVZeroBubble", stages_per_rank=2)),
+        # Split backward (input/weight) of zero-bubble schedules through DTensor ops, with the vocab-parallel
+        # embedding and loss (pp2 x tp2 on 1F1B: tests/test_schedules.py's FULL layout).
+        (QKB, False, dict(pp=2, tp=2, microbatches=4, schedule="ZBVZeroBubble", stages_per_rank=2, **VOCAB_PAR)),
         # Stage 0 is only the vocab-parallel embedding: its all-reduced output crosses the boundary.
         (
             QKB,
@@ -222,8 +232,8 @@ def _collective_cases() -> list[dict]:
     return [_count_collectives(*case) for case in _COUNT_CASES]
 
 
-def test_tp_all_reduces_two_forward_two_backward_per_block_and_microbatch(world):
-    for per_case in world(2).run(_collective_cases):
+def test_tp_all_reduces_two_forward_two_backward_per_block_and_microbatch(two_ranks):
+    for per_case in two_ranks["counts"]:
         for (hf, m, vocab_par), got in zip(_COUNT_CASES, per_case):
             args = HF_BIAS if hf else QKB
             n_layers, rows = args.n_layers, ROWS // m
@@ -260,8 +270,8 @@ def _shape_errors() -> list[str]:
     return errors
 
 
-def test_hf_shapes_not_divisible_by_tp_fail_on_every_rank(world):
-    for errors in world(2).run(_shape_errors):
+def test_hf_shapes_not_divisible_by_tp_fail_on_every_rank(two_ranks):
+    for errors in two_ranks["shapes"]:
         assert len(errors) == 2
         assert errors[0].startswith("model.n_kv_heads = 1 is not divisible by parallel.tp = 2; ")
         assert errors[1].startswith("model.vocab_size = 95 is not divisible by parallel.tp = 2; ")

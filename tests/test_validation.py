@@ -6,7 +6,9 @@ from __future__ import annotations
 import copy
 
 import parity_utils as pu
+import pytest
 import torch
+from one_trip import run_cases
 
 import pp_tp
 from pp_tp.parity import dp_share, mean_token_loss
@@ -35,9 +37,18 @@ def eval_case(kw: dict) -> dict:
     return out
 
 
-def test_validation_loss_is_exact_on_every_schedule_and_touches_no_gradient(world):
+@pytest.fixture(scope="module")
+def two_ranks(world) -> dict[str, list]:
+    """Every 2-rank case of this file in one round trip (tests/one_trip.py)."""
+    cases = [("eval pp2", eval_case, (dict(pp=2),))]
+    cases += [(f"train with_eval={flag}", train_with_eval_case, (flag,)) for flag in (True, False)]
+    return run_cases(world(2), cases)
+
+
+def test_validation_loss_is_exact_on_every_schedule_and_touches_no_gradient(world, two_ranks):
     for kw in (dict(pp=2), dict(pp=2, dp_shard=2)):
-        for res in world(2 * kw.get("dp_shard", 1)).run(eval_case, kw):
+        results = two_ranks["eval pp2"] if kw.get("dp_shard", 1) == 1 else world(4).run(eval_case, kw)
+        for res in results:
             for name, r in res.items():
                 assert r["err"] <= 1e-5 and r["no_grads"], (kw, name, r)
                 assert abs(r["train"] - r["again"]) <= 1e-5 * r["train"], (kw, name, r)  # same weights, same loss
@@ -59,5 +70,5 @@ def train_with_eval_case(with_eval: bool) -> list[float]:
     return losses
 
 
-def test_validation_between_backward_and_optimizer_step_changes_nothing(world):
-    assert world(2).run(train_with_eval_case, True) == world(2).run(train_with_eval_case, False)
+def test_validation_between_backward_and_optimizer_step_changes_nothing(two_ranks):
+    assert two_ranks["train with_eval=True"] == two_ranks["train with_eval=False"]

@@ -1,0 +1,58 @@
+"""Several cases of one world in one `World.run` round trip.
+
+Measured on this 2-core machine (not side by side): tests/test_schedules.py's eight 4-rank matrix cases and its CSV
+case took 21.4 s as nine round trips (quiet machine) and 9.7-11.3 s as one (load average 5-11, other jobs running).
+Within one round trip DTensor's sharding caches are kept between the cases; that is
+sound because every case takes its meshes from parity_utils.mesh_for (one per shape), so a cached spec is keyed by the
+very mesh it was computed on (tests/harness.py says why caches must not outlive a round trip).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import parity_utils as pu
+
+import pp_tp
+
+Case = tuple[str, Callable[..., Any], tuple]
+
+
+def cases_in_one_run(cases: list[Case]) -> dict[str, Any]:
+    """Runs on every rank: each (name, fn, args) case in order; a failure names its case."""
+    out = {}
+    for name, fn, args in cases:
+        try:
+            out[name] = fn(*args)
+        except Exception as e:
+            raise RuntimeError(f"case {name} failed") from e
+    return out
+
+
+def run_cases(world, cases: list[Case]) -> dict[str, list[Any]]:
+    """Every case in one round trip on `world`; per case name, the per-rank results."""
+    per_rank = world.run(cases_in_one_run, cases)
+    return {name: [r[name] for r in per_rank] for name, _, _ in cases}
+
+
+@contextlib.contextmanager
+def session_meshes() -> Iterator[None]:
+    """`pp_tp.build_mesh`, which `pp-tp parity` calls once per run, answered from the session's meshes (one per shape,
+    parity_utils.mesh_for): new gloo groups for every config cost more than some configs' runs, and DTensor's
+    sharding caches, kept between the runs of one case, are then keyed by the very meshes the runs use."""
+    build = pp_tp.build_mesh
+
+    def cached(pcfg):
+        pp_tp.build_mesh = build  # mesh_for builds with it
+        try:
+            return pu.mesh_for(pcfg)
+        finally:
+            pp_tp.build_mesh = cached
+
+    pp_tp.build_mesh = cached
+    try:
+        yield
+    finally:
+        pp_tp.build_mesh = build
