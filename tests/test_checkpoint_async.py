@@ -4,6 +4,7 @@ has the uninterrupted run's losses. The key itself: default on where DCP's async
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 from test_faults import KILL_ENTRY
 from torch.distributed.tensor import DTensor
-from train_utils import REPO, job, last_per_step, to_toml, train_case
+from train_utils import REPO, RESTART_JOB, job, last_per_step, to_toml, uninterrupted
 
 from pp_tp.cli.main import main
 from pp_tp.config import CheckpointConfig, format_config, load_config
@@ -73,8 +74,8 @@ def test_a_save_stages_a_copy_and_counts_only_once_written(tmp_path, world):
 def test_a_rank_killed_inside_a_background_write_resumes_from_the_last_complete_checkpoint(tmp_path, world):
     """torchrun, 2 ranks: rank 1 dies inside the background write of step 4 (its shard written, DCP's metadata not);
     the restart resumes from step 2, the last complete checkpoint, and logs the uninterrupted run's losses."""
-    d = job(parallel={"pp": 2, "tp": 1}, training={"steps": 5}, checkpoint={"interval": 2})
-    baseline = world(2).run(train_case, d)[0]
+    d = copy.deepcopy(RESTART_JOB)
+    baseline = uninterrupted(world)
     d["checkpoint"].update(enable=True, folder=str(tmp_path / "ckpt"))
     d["training"]["metrics_file"] = str(tmp_path / "m.jsonl")
     cfg = tmp_path / "job.toml"

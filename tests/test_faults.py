@@ -3,13 +3,14 @@ from the last checkpoint with the losses of an uninterrupted run."""
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import subprocess
 import sys
 
 import pytest
-from train_utils import REPO, job, last_per_step, to_toml, train_case
+from train_utils import REPO, RESTART_JOB, job, last_per_step, to_toml, uninterrupted
 
 KILL_ENTRY = os.path.join(os.path.dirname(__file__), "kill_entry.py")
 
@@ -61,8 +62,9 @@ def test_a_dead_rank_is_named_by_the_survivors(tmp_path):
 def test_torchrun_max_restarts_resumes_from_the_last_checkpoint_with_the_same_losses(tmp_path, world):
     # sync saves: step 2's is complete when step 3 starts (an async one may still be writing when the kill comes;
     # tests/test_checkpoint_async.py kills inside a background write)
-    d = job(parallel={"pp": 2, "tp": 1}, training={"steps": 5}, checkpoint={"interval": 2, "async": False})
-    baseline = world(2).run(train_case, d)[0]
+    d = copy.deepcopy(RESTART_JOB)
+    d["checkpoint"]["async"] = False
+    baseline = uninterrupted(world)
     assert [b["step"] for b in baseline] == [1, 2, 3, 4, 5]
     d["checkpoint"].update(enable=True, folder=str(tmp_path / "ckpt"))
     d["training"]["metrics_file"] = str(tmp_path / "m.jsonl")

@@ -36,6 +36,8 @@ LAYOUTS = {
     "pp2_dp2": dict(pp=2, dp_shard=2, schedule="1F1B", microbatches=2),
 }
 BLOCK = (16, 16)
+# (family, layout) exported after two steps: load_case exports these from its own build; pp2 x dp2 builds its own.
+ROUNDTRIPS = [("mixtral_moe", "pp2_ep2"), ("deepseek_v3", "pp2_ep2"), ("qwen3_moe", "pp2_tp2")]
 
 
 def _saved(tmp: str, name: str) -> str:
@@ -93,7 +95,7 @@ def _experts_read(read: list) -> list[int]:
 def load_case(tmp: str) -> list[dict]:
     """Each family at pp2 x ep2 and pp2 x tp2: the loaded model equals from_pretrained of the same directory
     exactly, and one AdamW step from it passes the float64 verdict against the model's own run (loss, every full
-    gradient, the updated parameters)."""
+    gradient, the updated parameters); the pairs of ROUNDTRIPS then take a second step and are exported."""
     out = []
     ids, labels = _batch()
     for name in FAMILIES:
@@ -113,6 +115,9 @@ def load_case(tmp: str) -> list[dict]:
             ep_rank = mesh["ep"].get_local_rank() if kw.get("ep", 1) > 1 else None
             out.append({"family": name, "layout": layout, "experts_read": _experts_read(read), "ep_rank": ep_rank,
                         **loaded, "score": step["score"], "scores": step["scores"]})  # fmt: skip
+            if (name, layout) in ROUNDTRIPS:  # the round trip of this build: a second step, then the export
+                run.step(ids, labels)
+                out[-1]["exported"] = _exported(pipe, mesh, src, os.path.join(tmp, f"out_{name}_{layout}"), ids, labels)
     return out
 
 
@@ -174,17 +179,10 @@ def _share(path: str, boxes: list) -> float:
     return max(n / size[k] for k, n in read.items())
 
 
-def roundtrip_case(tmp: str, name: str, layout: str) -> dict:
-    """Load, two AdamW steps, save_pretrained: from_pretrained of the output (one process) equals the trained
-    weights exactly and gives the pipeline's loss; the output has the source's (per expert) keys; no packed expert
-    tensor was gathered whole."""
-    src, out = _saved(tmp, name), os.path.join(tmp, f"out_{name}_{layout}")
-    pcfg = pu.pcfg_of(**LAYOUTS[layout])
-    mesh = pu.mesh_for(pcfg)
-    pipe = pp_tp.build_pipeline(make(name, "meta"), mesh, pcfg, checkpoint=src)
-    run, (ids, labels) = pu.PipelineRun(pipe, pu.adamw()), _batch()
-    for _ in range(2):
-        run.step(ids, labels)
+def _exported(pipe, mesh, src: str, out: str, ids: torch.Tensor, labels: torch.Tensor) -> dict:
+    """save_pretrained of a trained pipeline: from_pretrained of the output (one process) equals the trained weights
+    exactly and gives the pipeline's loss; the output has the source's (per expert) keys; no packed expert tensor was
+    gathered whole."""
     whole, gather = [], save._gather_unit
 
     def spy(unit, *args):
@@ -211,12 +209,34 @@ def roundtrip_case(tmp: str, name: str, layout: str) -> dict:
             "experts": len(experts), "whole_experts": sorted(set(whole) & set(experts))}  # fmt: skip
 
 
+def roundtrip_case(tmp: str, name: str, layout: str) -> dict:
+    """Load, two AdamW steps, then the export checks of `_exported` (load_case does the same after its verdict step
+    for the pairs of ROUNDTRIPS)."""
+    src = _saved(tmp, name)
+    pcfg = pu.pcfg_of(**LAYOUTS[layout])
+    mesh = pu.mesh_for(pcfg)
+    pipe = pp_tp.build_pipeline(make(name, "meta"), mesh, pcfg, checkpoint=src)
+    run, (ids, labels) = pu.PipelineRun(pipe, pu.adamw()), _batch()
+    for _ in range(2):
+        run.step(ids, labels)
+    return _exported(pipe, mesh, src, os.path.join(tmp, f"out_{name}_{layout}"), ids, labels)
+
+
+def _check_roundtrip(r: dict, name: str, layout: str) -> None:
+    assert r["checked"] > 0 and not r["differ"] and r["same_keys"], (name, layout, r)
+    assert r["experts"] > 0 and not r["whole_experts"], (name, layout, r)
+    assert abs(r["loss"] - r["plain"]) <= 1e-5 * abs(r["plain"]), (name, layout, r)
+
+
 def test_published_moe_checkpoints_load_train_save_and_dequantize_per_rank(world, tmp_path):
     w = world(4)
     for rank, results in enumerate(w.run(load_case, str(tmp_path))):
+        assert sorted((r["family"], r["layout"]) for r in results if "exported" in r) == sorted(ROUNDTRIPS)
         for r in results:
             assert r["checked"] > 0 and not r["differ"], r
             pu.assert_passes(r, r["family"], r["layout"])
+            if (r["family"], r["layout"]) in ROUNDTRIPS:
+                _check_roundtrip(r["exported"], r["family"], r["layout"])
             if r["ep_rank"] is not None and r["family"] != "gpt_oss":  # GPT-OSS stores its experts packed
                 assert r["experts_read"] == [2 * r["ep_rank"], 2 * r["ep_rank"] + 1], (rank, r)
     for r in w.run(fp8_case, str(tmp_path)):
@@ -232,12 +252,8 @@ def test_published_moe_checkpoints_load_train_save_and_dequantize_per_rank(world
                 assert r["experts"] == {(2 * r["ep_rank"], 2)} and r["share"] == 0.5, r
             else:  # TP: every expert, its half of gate and of up (output rows) or of down's inputs
                 assert r["experts"] == {(0, 4)} and r["share"] == 0.5, r
-    for name, layout in (("mixtral_moe", "pp2_ep2"), ("deepseek_v3", "pp2_ep2"), ("qwen3_moe", "pp2_tp2"),
-                         ("mixtral_moe", "pp2_dp2")):  # fmt: skip
-        for r in w.run(roundtrip_case, str(tmp_path), name, layout):
-            assert r["checked"] > 0 and not r["differ"] and r["same_keys"], (name, layout, r)
-            assert r["experts"] > 0 and not r["whole_experts"], (name, layout, r)
-            assert abs(r["loss"] - r["plain"]) <= 1e-5 * abs(r["plain"]), (name, layout, r)
+    for r in w.run(roundtrip_case, str(tmp_path), "mixtral_moe", "pp2_dp2"):
+        _check_roundtrip(r, "mixtral_moe", "pp2_dp2")
 
 
 # --- single process: bad input is one line, before any collective ------------------------------------------------

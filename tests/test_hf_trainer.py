@@ -72,10 +72,11 @@ def _qwen3_moe():
 
 
 def pipeline_case(out: str, parallel: dict, model_fn=_llama, resume: str | None = None, meta_from: str | None = None,
-                  **kw) -> dict:  # fmt: skip
+                  fresh: bool = True, **kw) -> dict:  # fmt: skip
     """Per rank: the logged (loss, grad norm) per step of a PipelineTrainer run and its eval loss, its model saved to
-    `out`/model; with `resume` the steps of a second run resuming from that checkpoint; with `meta_from` the eval
-    loss of a PipelineTrainer given a meta model of that directory."""
+    `out`/model; with `resume` the steps of a run resuming from that checkpoint (without `fresh` the only run: its
+    eval loss and saved model stand for the fresh run's); with `meta_from` the eval loss of a PipelineTrainer given a
+    meta model of that directory."""
     from pp_tp.integrations.hf_trainer import PipelineTrainer
 
     pcfg = pu.pcfg_of(**parallel)
@@ -87,11 +88,13 @@ def pipeline_case(out: str, parallel: dict, model_fn=_llama, resume: str | None 
         trainer.train(resume_from_checkpoint=resume_from)
         return trainer
 
-    trainer = run(out, None)
-    trainer.save_model(os.path.join(out, "model"))
-    result = {"history": _history(trainer) + _eval(trainer)}
+    result = {}
     if resume is not None:
-        result["resumed"] = _history(run(out + "_resumed", resume))
+        resumed = run(out + "_resumed", resume)
+        result["resumed"] = _history(resumed)
+    trainer = run(out, None) if fresh else resumed
+    trainer.save_model(os.path.join(out, "model"))
+    result["history"] = (_history(trainer) if fresh else []) + _eval(trainer)
     if meta_from is not None:  # a meta model whose config names its checkpoint: each rank reads its slices
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -145,17 +148,19 @@ def test_trainer_pp2_tp2(world, tmp_path):
 
 def test_trainer_pp2_dp2_and_moe(world, tmp_path):
     """pp2 x dp2 against Trainer reading dp x the rows per batch, resuming from that Trainer's step-2 checkpoint (one
-    process -> pp2 x dp2); a Qwen3-MoE at pp2 x ep2 (dp_shard 2) likewise."""
+    process -> pp2 x dp2: steps 3 and 4, the eval loss and the saved model); a Qwen3-MoE at pp2 x ep2 (dp_shard 2)
+    likewise, and also trained from its first step. (A Llama trained from its first step at pp2 x dp2 against
+    Trainer at dp x the rows: test_trl_sft, through the same PipelineTrainerMixin.)"""
     saving = dict(save_strategy="steps", save_steps=2)
     for name, model_fn, parallel in [("llama", _llama, dict(pp=2, dp_shard=2)),
                                      ("moe", _qwen3_moe, dict(pp=2, dp_shard=2, ep=2))]:  # fmt: skip
         ref = str(tmp_path / f"ref_{name}")
         want, params = reference(ref, model_fn, per_device_train_batch_size=8, per_device_eval_batch_size=16, **saving)
         out = str(tmp_path / f"pipe_{name}")
-        resume = os.path.join(ref, "checkpoint-2")
-        got = world(4).run(pipeline_case, out, parallel, model_fn, resume=resume)
+        resume, fresh = os.path.join(ref, "checkpoint-2"), name == "moe"
+        got = world(4).run(pipeline_case, out, parallel, model_fn, resume=resume, fresh=fresh)
         for g in got:
-            _close(g["history"], want)
+            _close(g["history"], want if fresh else want[-1:])
             _close(g["resumed"][2:], want[2:4])  # the first two: the checkpoint's log
         _check_saved(os.path.join(out, "model"), params, None if name == "llama" else _load_moe)
 

@@ -60,6 +60,18 @@ def train_case(d: dict) -> list[dict]:
     return [{k: r[k] for k in ("step", "loss", "grad_norm", "lr")} for r in train(config_from_dict(d))]
 
 
+# The restart tests' job (test_faults, test_checkpoint_async): pp2 on 2 ranks, 5 steps, a checkpoint every 2.
+RESTART_JOB = job(parallel={"pp": 2, "tp": 1}, training={"steps": 5}, checkpoint={"interval": 2})
+_uninterrupted: list[list[dict]] = []
+
+
+def uninterrupted(world) -> list[dict]:
+    """RESTART_JOB's rows on rank 0 without checkpoints (which change no number), run once for both restart tests."""
+    if not _uninterrupted:
+        _uninterrupted.append(world(2).run(train_case, RESTART_JOB)[0])
+    return _uninterrupted[0]
+
+
 def last_per_step(path: str) -> dict[int, dict]:
     """A metrics JSONL file's step rows by step, the last one of each (a restarted attempt rewrites the steps it
     repeats); the layout row is an event, left out."""
