@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import time
 import weakref
 
 import parity_utils as pu
@@ -252,6 +253,10 @@ def full_state_case(layout: dict, family: str) -> dict:
             names.append(name)
             equal = equal and torch.equal(t, want[name])
             del t
+            # gloo's worker thread drops a finished collective's tensors only after wait() has returned
+            # (ProcessGroupGloo's workInProgress_ slot): on a loaded machine it could still hold this tensor while the
+            # next is gathered. A moment for it to let go, so the peak counts what iter_full_state_dict holds.
+            time.sleep(0.01)
     with NewStorage() as control, torch.no_grad():
         for part in pipe.model_parts:
             for p in part.parameters():
