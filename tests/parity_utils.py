@@ -86,8 +86,9 @@ def batch(args: ModelArgs, n: int, seq: int, seed: int = 1, pad: bool = True) ->
 
 def adamw(lr: float = 1e-3):
     """The tests' optimizer factory for ReferenceRun and PipelineRun: torch's AdamW defaults (eps 1e-8, whose first
-    step turns roundoff on near-zero gradients into whole updates: the float64 verdict judges that fairly)."""
-    return lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.1)
+    step turns roundoff on near-zero gradients into whole updates: the float64 verdict judges that fairly), on its
+    foreach path (CPU defaults to one tensor at a time: every DTensor op of that loop pays a sharding propagation)."""
+    return lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.1, foreach=True)
 
 
 def reference(
