@@ -17,14 +17,15 @@ Between its cases a world is stopped (SIGSTOP, `pause`): every gloo process grou
 wakes about every 10 ms even when idle, and with tens of groups per rank and several worlds alive, idle ranks
 took about one of this machine's two cores (measured: 5-18 % CPU each for 13 idle ranks).
 
-The ranks are forked from a forkserver that imported torch and pp_tp once (`_PRELOAD`): a spawned rank paid that
-import itself, for every rank of every world. The rendezvous store is held by the test process on a port the OS picks
-(`TCPStore(port=0)`), so no other process (another world, another pytest-xdist worker) can take the port between its
-choice and its use, as a probed free port could.
+The ranks are forked from a forkserver that imported torch, pp_tp and transformers once (`_PRELOAD`): a spawned rank
+paid that import itself, for every rank of every world. The rendezvous store is held by the test process on a port
+the OS picks (`TCPStore(port=0)`), so no other process (another world, another pytest-xdist worker) can take the port
+between its choice and its use, as a probed free port could.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import queue
 import signal
@@ -43,8 +44,13 @@ from pp_tp.base._torch import forget_sharding_specs
 CASE_TIMEOUT_S = float(os.environ.get("PP_TP_CASE_TIMEOUT", "600"))
 # Bounds every collective: when one rank fails, its peers error out instead of waiting forever.
 PG_TIMEOUT_S = 60
-# What every rank imports anyway, imported once in the forkserver its ranks are forked from.
-_PRELOAD = ["torch", "torch.distributed.pipelining", "torch.distributed.tensor", "pp_tp"]
+# What every rank imports anyway, imported once in the forkserver its ranks are forked from; with transformers
+# installed, also what every Hugging Face case imports (measured: ~3.4 s per rank of every world, paid once here).
+_PRELOAD = ["torch", "torch.distributed.pipelining", "torch.distributed.tensor", "pp_tp"] + (
+    ["transformers.modeling_utils", "transformers.models.auto.modeling_auto", "pp_tp.models.hf.build"]
+    if importlib.util.find_spec("transformers")
+    else []
+)
 # How long ranks asked to leave get before they are killed, shared by all worlds closing together.
 LEAVE_GRACE_S = 2.0
 

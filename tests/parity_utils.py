@@ -9,6 +9,7 @@ from dataclasses import asdict, replace
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import pp_tp
 from pp_tp.base.tensors import full_tensor, persistent_buffers  # noqa: F401  (tests reach pu.full_tensor)
@@ -86,8 +87,18 @@ def batch(args: ModelArgs, n: int, seq: int, seed: int = 1, pad: bool = True) ->
 
 def adamw(lr: float = 1e-3):
     """The tests' optimizer factory for ReferenceRun and PipelineRun: torch's AdamW defaults (eps 1e-8, whose first
-    step turns roundoff on near-zero gradients into whole updates: the float64 verdict judges that fairly)."""
-    return lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.1)
+    step turns roundoff on near-zero gradients into whole updates: the float64 verdict judges that fairly), on its
+    foreach path (CPU defaults to one tensor at a time: every DTensor op of that loop pays a sharding propagation),
+    one param group per kind, DTensor or plain, as the trainer's (foreach kernels refuse a mix)."""
+
+    def make(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        kinds: dict[bool, list[nn.Parameter]] = {}
+        for p in params:
+            kinds.setdefault(isinstance(p, DTensor), []).append(p)
+        groups = [{"params": group} for group in kinds.values()]
+        return torch.optim.AdamW(groups, lr=lr, weight_decay=0.1, foreach=True)
+
+    return make
 
 
 def reference(

@@ -58,19 +58,56 @@ def step_on(owned: tuple[tuple[int | None, ReferenceRun], ...], batch: tuple[tor
     for owner, run in owned:
         if owner is None:
             continue
-        payload: list[Any] = [None]
-        if dist.get_rank() == owner:
-            payload = [failed[owner]] if owner in failed else [_results(run)]
-        dist.broadcast_object_list(payload, src=owner)
-        if isinstance(payload[0], str):
-            raise RuntimeError(f"the reference run stepped on rank {owner} failed: {payload[0]}")
-        if dist.get_rank() != owner:
-            _mirror(run, *payload[0])
+        mine = dist.get_rank() == owner
+        head: list[Any] = [None]
+        if mine:
+            head = [failed[owner]] if owner in failed else [(run.losses[-1], run.norms[-1:], _has_grad(run))]
+        dist.broadcast_object_list(head, src=owner)
+        if isinstance(head[0], str):
+            raise RuntimeError(f"the reference run stepped on rank {owner} failed: {head[0]}")
+        loss, norm, has_grad = head[0]
+        tensors = _judged(run) if mine else _slots(run, has_grad)
+        _broadcast_flat(tensors, owner)
+        if not mine:
+            _mirror(run, loss, norm, has_grad, tensors)
 
 
-def _results(run: ReferenceRun) -> tuple[Any, ...]:
-    """What the judges read after a step, on the CPU (what a peer's copy is set to)."""
-    return run.losses[-1], run.norms[-1:], _cpu(run.grads()), _cpu(run.params()), _cpu(run.buffers())
+def _has_grad(run: ReferenceRun) -> list[bool]:
+    """Per parameter (named_parameters' order), whether a gradient reached it."""
+    return [g is not None for g in run.grads().values()]
+
+
+def _judged(run: ReferenceRun) -> list[torch.Tensor]:
+    """What the judges read after a step, on the CPU: the gradients that exist, the parameters, the persistent
+    buffers, each in named order (the order `_slots` receives them in)."""
+    grads = [g for g in run.grads().values() if g is not None]
+    return [t.detach().cpu() for t in (*grads, *run.params().values(), *run.buffers().values())]
+
+
+def _slots(run: ReferenceRun, has_grad: list[bool]) -> list[torch.Tensor]:
+    """Empty CPU tensors shaped as `_judged`'s on the owner: a peer's copy has the same parameters and buffers."""
+    params = [p for _, p in run.model.named_parameters()]
+    grads = [p for p, has in zip(params, has_grad, strict=True) if has]
+    like = (*grads, *params, *persistent_buffers(run.model).values())
+    return [torch.empty(t.shape, dtype=t.dtype) for t in like]
+
+
+def _broadcast_flat(tensors: list[torch.Tensor], src: int) -> None:
+    """`tensors` from `src` into every other rank's, one flat broadcast per dtype (pickling them, as
+    broadcast_object_list did, cost a copy on each side and a collective per object; one per tensor, a collective
+    each)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for dtype, group in by_dtype.items():
+        flat = torch.cat([t.reshape(-1) for t in group]) if dist.get_rank() == src else None
+        if flat is None:
+            flat = torch.empty(sum(t.numel() for t in group), dtype=dtype)
+        wire = flat.view(torch.uint8) if dtype == torch.bool else flat  # gloo sends bytes, not bools
+        dist.broadcast(wire, src=src)
+        if dist.get_rank() != src:
+            for t, part in zip(group, flat.split([t.numel() for t in group]), strict=True):
+                t.copy_(part.view(t.shape))
 
 
 def load_on(owner: int | None, run: ReferenceRun, params: dict[str, torch.Tensor]) -> None:
@@ -79,24 +116,18 @@ def load_on(owner: int | None, run: ReferenceRun, params: dict[str, torch.Tensor
         run.load(params)
 
 
-def _cpu(tensors: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
-    """Detached CPU copies; None (a parameter no gradient reaches) stays None."""
-    return {k: None if t is None else t.detach().cpu() for k, t in tensors.items()}
-
-
 @torch.no_grad()
 def _mirror(
-    run: ReferenceRun,
-    loss: float,
-    norm: list[float],
-    grads: dict[str, torch.Tensor | None],
-    params: dict[str, torch.Tensor],
-    buffers: dict[str, torch.Tensor],
+    run: ReferenceRun, loss: float, norm: list[float], has_grad: list[bool], tensors: list[torch.Tensor]
 ) -> None:
+    """A peer's copy set to its owner's step: `tensors` as `_judged` lists them."""
     run.losses.append(loss)
     run.norms.extend(norm)
-    for k, p in run.model.named_parameters():
-        p.copy_(params[k])
-        p.grad = None if grads[k] is None else grads[k].to(p.device, p.dtype)
-    for k, b in persistent_buffers(run.model).items():
-        b.copy_(buffers[k])
+    params = [p for _, p in run.model.named_parameters()]
+    received = iter(tensors)
+    grads = [next(received) if has else None for has in has_grad]
+    for p, g in zip(params, grads, strict=True):
+        p.copy_(next(received))
+        p.grad = None if g is None else g.to(p.device, p.dtype)
+    for b in persistent_buffers(run.model).values():
+        b.copy_(next(received))
