@@ -145,3 +145,27 @@ def test_search_stops_at_the_step_time_floor_and_measures_less(monkeypatch):
         outline = evaluator.outline(_auto(cfg, kw, 1.0))
         lay = evaluator.fit(outline)
         assert 0 < time_floor(cfg, outline, dev, evaluator.costs.dims) <= step_time(cfg, lay, dev, evaluator.costs.dims)
+
+
+@pytest.mark.parametrize("name", ["tied-pp1", "hf-pp2"])
+def test_stage_edges_measured_apart_add_up_as_the_dry_run_measures_them_together(name):
+    """The cache measures a stage's embedding and head apart from its blocks and adds them (the assumption stated in
+    pp_tp.planner.stage_costs): on a one-stage plan with tied embeddings (one weight in both edges) and on an HF
+    family (its own prologue on the first stage), the sums equal the full dry run, which builds the stages whole."""
+    if name == "tied-pp1":
+        d = {**JOB, "model": {**JOB["model"], "tie_embeddings": True}}
+        kw = dict(pp=1, tp=2, dp_shard=6, schedule="1F1B", stages_per_rank=1, microbatches=4,
+                  activation_checkpoint="full")  # fmt: skip
+    else:
+        d = {**JOB, "model": {"hf_path": "toml_configs/hf_tiny"}, "training": {"batch_size": 8, "seq_len": 32}}
+        kw = dict(pp=2, tp=1, dp_shard=2, schedule="1F1B", stages_per_rank=1, microbatches=2,
+                  activation_checkpoint="selective")  # fmt: skip
+    world = 12 if name == "tied-pp1" else 4
+    cfg = config_from_dict(d, world_size=world)
+    model = build_model(cfg.model, "meta")
+    pcfg = _auto(cfg, kw, 100.0)
+    lay = LayoutEvaluator(cfg, world, model, layout_for(model)).evaluate(pcfg)
+    job = plan_job(dataclasses.replace(cfg, parallel=pcfg), world)
+    assert [r.total_bytes for r in lay.ranks] == [r.total_bytes for r in job.ranks]
+    assert [r.local_params for r in lay.ranks] == [r.local_params for r in job.ranks]
+    assert [r.act_bytes_per_microbatch for r in lay.ranks] == [r.act_bytes_per_microbatch for r in job.ranks]
