@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 
 import pytest
@@ -169,3 +170,33 @@ def test_stage_edges_measured_apart_add_up_as_the_dry_run_measures_them_together
     assert [r.total_bytes for r in lay.ranks] == [r.total_bytes for r in job.ranks]
     assert [r.local_params for r in lay.ranks] == [r.local_params for r in job.ranks]
     assert [r.act_bytes_per_microbatch for r in lay.ranks] == [r.act_bytes_per_microbatch for r in job.ranks]
+
+
+@pytest.mark.parametrize("name", ["dense", "moe", "hf"])
+def test_cost_floor_is_below_the_none_and_selective_costs(name):
+    """The search leaves a layout under AC "none" or "selective" unmeasured when no policy fits one of its pp ranks
+    even at the cost floor (StageCostCache.floor, read off the "full" AC measurement). The floor's stated
+    assumption, field by field, on stage kinds with and without edges, one and three blocks (dense and MoE mixed),
+    with tp, cp and ep, at microbatches of one and two sequences; parameters, buffers and masks equal."""
+    from pp_tp.planner.moe import block_signatures
+    from pp_tp.planner.stage_costs import StageCostCache
+
+    d, world = {"dense": (JOB, WORLD), "moe": (MOE_JOB, 8)}.get(name, (None, 4))
+    if name == "hf":
+        d = {**JOB, "model": {"hf_path": "toml_configs/hf_tiny"}, "training": {"batch_size": 8, "seq_len": 32}}
+    cfg = config_from_dict(d, world_size=world)
+    model = build_model(cfg.model, "meta")
+    layout = layout_for(model)
+    cache = StageCostCache(cfg, model, layout)
+    sigs = list(dict.fromkeys(block_signatures(model, layout).values()))
+    blocks = [(sigs[0],), (sigs[0],) * 3] + ([tuple(sigs[:3])] if len(sigs) > 1 else [])
+    kinds = [(e, b, h) for e in (False, True) for h in (False, True) for b in blocks] + [(True, (), True)]
+    points = [(1, 1, 1), (2, 1, 2)] + ([(1, 2, 1)] if name == "moe" else [])  # (tp, ep, cp)
+    same = ("local", "tp_local", "unit_tp_local", "buffer_bytes", "held_bytes")
+    checked = 0
+    for (tp, ep, cp), kind, mb, ac in itertools.product(points, kinds, (1, 2), ("none", "selective")):
+        floor, cost = cache.floor(tp, ac, ep, cp, kind, 2, mb), cache.cost(tp, ac, ep, cp, kind, 2, mb)
+        assert all(getattr(floor, k) == getattr(cost, k) for k in same), (tp, ep, cp, kind, mb, ac)
+        assert floor.act_bytes <= cost.act_bytes and floor.transient_bytes <= cost.transient_bytes
+        checked += floor.act_bytes > 0
+    assert checked == len(points) * len(kinds) * 4  # no floor is trivially zero

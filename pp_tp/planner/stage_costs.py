@@ -207,3 +207,20 @@ class StageCostCache:
                 held,
             )
         return self._costs[key]
+
+    def floor(self, tp: int, ac: str, ep: int, cp: int, kind: Kind, dp_shard: int, microbatch: int) -> StageCost:
+        """A StageCost no larger in any field than this stage kind's under AC `ac` ("none" or "selective"), from the
+        "full" AC one. Assumed (BENCHMARKS.md "Planner search time at 1024 ranks", checked by
+        tests/test_planner_search.py): parameters, buffers and cp's masks do not depend on AC; checkpointing fewer
+        modules saves at least what full AC saves (a checkpointed block keeps its input, an unchecked one what its
+        ops save, an fp32 norm's copy of that input among them); under "none" the stage saves at least what full AC's
+        recompute of its first block saves (not n blocks times that: blocks share masks and rotary tables); no
+        recompute under "none", some under "selective"."""
+        full = self.cost(tp, "full", ep, cp, kind, dp_shard, microbatch)
+        embed, sigs, head = kind
+        pcfg = dataclasses.replace(self.cfg.parallel, tp=tp, cp=cp)
+        _, transient = boundary_extras(embed, head, pcfg, microbatch, self.cfg.training.seq_len, self.dims)
+        act = full.act_bytes
+        if ac == "none" and sigs:
+            act = max(act, full.transient_bytes - transient)
+        return dataclasses.replace(full, act_bytes=act, transient_bytes=transient)
