@@ -123,13 +123,15 @@ class LayoutEvaluator:
         first rank that no policy fits ends it, before later ranks' stage kinds are measured."""
         p, plan, actions, microbatch = o.pcfg, o.plan, o.actions, o.microbatch
         ranks, picks, walked = [], [], []
+        kinds = [[stage_kind(s, self.signatures) for s in plan.for_rank(r)] for r in range(p.pp)]
+        if p.activation_checkpoint != "full" and any(
+            self._beyond(r, plan.for_rank(r), kinds[r], actions[r], p, microbatch) for r in range(p.pp)
+        ):  # every rank's floor before any rank's own AC is measured
+            return None
         for r in range(p.pp):
             specs = plan.for_rank(r)
-            kinds = [stage_kind(s, self.signatures) for s in specs]
-            if p.activation_checkpoint != "full" and self._beyond(r, specs, kinds, actions[r], p, microbatch):
-                return None
             costs = [
-                self.costs.cost(p.tp, p.activation_checkpoint, p.ep, p.cp, k, p.dp_shard, microbatch) for k in kinds
+                self.costs.cost(p.tp, p.activation_checkpoint, p.ep, p.cp, k, p.dp_shard, microbatch) for k in kinds[r]
             ]
             rank = rank_memory(r, [s.index for s in specs], costs, p)
             seen = self._walked(rank, p)
