@@ -120,7 +120,8 @@ class LayoutEvaluator:
 
     def fit(self, o: Outline) -> LayoutPlan | None:
         """`evaluate` of an outlined layout: per pp rank its stages measured (cached) and its policy picked; the
-        first rank that no policy fits ends it, before later ranks' stage kinds are measured."""
+        first rank that no policy fits ends it, before later ranks' stage kinds are measured; under AC "none" or
+        "selective" so does any rank that no policy fits at its cost floor, before any stage is measured at that AC."""
         p, plan, actions, microbatch = o.pcfg, o.plan, o.actions, o.microbatch
         ranks, picks, walked = [], [], []
         kinds = [[stage_kind(s, self.signatures) for s in plan.for_rank(r)] for r in range(p.pp)]
