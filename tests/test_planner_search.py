@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 
 import pytest
@@ -145,3 +146,57 @@ def test_search_stops_at_the_step_time_floor_and_measures_less(monkeypatch):
         outline = evaluator.outline(_auto(cfg, kw, 1.0))
         lay = evaluator.fit(outline)
         assert 0 < time_floor(cfg, outline, dev, evaluator.costs.dims) <= step_time(cfg, lay, dev, evaluator.costs.dims)
+
+
+@pytest.mark.parametrize("name", ["tied-pp1", "hf-pp2"])
+def test_stage_edges_measured_apart_add_up_as_the_dry_run_measures_them_together(name):
+    """The cache measures a stage's embedding and head apart from its blocks and adds them (the assumption stated in
+    pp_tp.planner.stage_costs): on a one-stage plan with tied embeddings (one weight in both edges) and on an HF
+    family (its own prologue on the first stage), the sums equal the full dry run, which builds the stages whole."""
+    if name == "tied-pp1":
+        d = {**JOB, "model": {**JOB["model"], "tie_embeddings": True}}
+        kw = dict(pp=1, tp=2, dp_shard=6, schedule="1F1B", stages_per_rank=1, microbatches=4,
+                  activation_checkpoint="full")  # fmt: skip
+    else:
+        d = {**JOB, "model": {"hf_path": "toml_configs/hf_tiny"}, "training": {"batch_size": 8, "seq_len": 32}}
+        kw = dict(pp=2, tp=1, dp_shard=2, schedule="1F1B", stages_per_rank=1, microbatches=2,
+                  activation_checkpoint="selective")  # fmt: skip
+    world = 12 if name == "tied-pp1" else 4
+    cfg = config_from_dict(d, world_size=world)
+    model = build_model(cfg.model, "meta")
+    pcfg = _auto(cfg, kw, 100.0)
+    lay = LayoutEvaluator(cfg, world, model, layout_for(model)).evaluate(pcfg)
+    job = plan_job(dataclasses.replace(cfg, parallel=pcfg), world)
+    assert [r.total_bytes for r in lay.ranks] == [r.total_bytes for r in job.ranks]
+    assert [r.local_params for r in lay.ranks] == [r.local_params for r in job.ranks]
+    assert [r.act_bytes_per_microbatch for r in lay.ranks] == [r.act_bytes_per_microbatch for r in job.ranks]
+
+
+@pytest.mark.parametrize("name", ["dense", "moe", "hf"])
+def test_cost_floor_is_below_the_none_and_selective_costs(name):
+    """The search leaves a layout under AC "none" or "selective" unmeasured when no policy fits one of its pp ranks
+    even at the cost floor (StageCostCache.floor, read off the "full" AC measurement). The floor's stated
+    assumption, field by field, on stage kinds with and without edges, one and three blocks (dense and MoE mixed),
+    with tp, cp and ep, at microbatches of one and two sequences; parameters, buffers and masks equal."""
+    from pp_tp.planner.moe import block_signatures
+    from pp_tp.planner.stage_costs import StageCostCache
+
+    d, world = {"dense": (JOB, WORLD), "moe": (MOE_JOB, 8)}.get(name, (None, 4))
+    if name == "hf":
+        d = {**JOB, "model": {"hf_path": "toml_configs/hf_tiny"}, "training": {"batch_size": 8, "seq_len": 32}}
+    cfg = config_from_dict(d, world_size=world)
+    model = build_model(cfg.model, "meta")
+    layout = layout_for(model)
+    cache = StageCostCache(cfg, model, layout)
+    sigs = list(dict.fromkeys(block_signatures(model, layout).values()))
+    blocks = [(sigs[0],), (sigs[0],) * 3] + ([tuple(sigs[:3])] if len(sigs) > 1 else [])
+    kinds = [(e, b, h) for e in (False, True) for h in (False, True) for b in blocks] + [(True, (), True)]
+    points = [(1, 1, 1), (2, 1, 2)] + ([(1, 2, 1)] if name == "moe" else [])  # (tp, ep, cp)
+    same = ("local", "tp_local", "unit_tp_local", "buffer_bytes", "held_bytes")
+    checked = 0
+    for (tp, ep, cp), kind, mb, ac in itertools.product(points, kinds, (1, 2), ("none", "selective")):
+        floor, cost = cache.floor(tp, ac, ep, cp, kind, 2, mb), cache.cost(tp, ac, ep, cp, kind, 2, mb)
+        assert all(getattr(floor, k) == getattr(cost, k) for k in same), (tp, ep, cp, kind, mb, ac)
+        assert floor.act_bytes <= cost.act_bytes and floor.transient_bytes <= cost.transient_bytes
+        checked += floor.act_bytes > 0
+    assert checked == len(points) * len(kinds) * 4  # no floor is trivially zero

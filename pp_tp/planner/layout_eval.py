@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from pp_tp.config import JobConfig, ParallelConfig, validate
 from pp_tp.config.fsdp_policy import FsdpPolicy
+from pp_tp.errors import ConfigError
 from pp_tp.planner.auto import choose, with_picks
 from pp_tp.planner.memory import RankMemory, rank_memory, settle
 from pp_tp.planner.moe import block_signatures, stage_kind
@@ -62,6 +63,7 @@ class LayoutEvaluator:
         self._plans: dict[tuple, StagePlan] = {}
         self._schedules: dict[tuple, tuple[list, float]] = {}
         self._count_walks: dict[tuple, Walk] = {}
+        self._walks: dict[tuple, dict[FsdpPolicy, Walk]] = {}
 
     def _schedule(self, p: ParallelConfig) -> tuple[list, float]:
         key = (p.schedule, p.pp, p.microbatches, p.stages_per_rank)
@@ -88,6 +90,12 @@ class LayoutEvaluator:
 
         return counts
 
+    def _walked(self, rank: RankMemory, p: ParallelConfig) -> dict[FsdpPolicy, Walk]:
+        """The rank's walks per policy, kept across layouts with the same actions and stage sizes (those that
+        differ only in how dp splits into dp_replicate x dp_shard: the walk's sizes are DP-gathered)."""
+        key = (p.schedule, p.pp, p.microbatches, p.stages_per_rank, rank.pp_rank, tuple(rank.sizes.items()))
+        return self._walks.setdefault(key, {})
+
     def outline(self, p: ParallelConfig) -> Outline:
         """The layout validated and planned, nothing measured; ConfigError when the config rules refuse it."""
         p = validate(dataclasses.replace(self.cfg, parallel=p), self.world).parallel
@@ -98,21 +106,36 @@ class LayoutEvaluator:
         """The layout with "auto" FSDP policies resolved under p.memory_budget_gib; None if it does not fit."""
         return self.fit(self.outline(p))
 
+    def _beyond(self, r: int, specs: list, kinds: list, actions: list, p: ParallelConfig, microbatch: int) -> bool:
+        """True when no policy fits pp rank `r` even at its stages' cost floors (StageCostCache.floor), so its
+        own AC need not be measured: the walk's peak only grows with each stage's activations and transient."""
+        try:
+            floors = [
+                self.costs.floor(p.tp, p.activation_checkpoint, p.ep, p.cp, k, p.dp_shard, microbatch) for k in kinds
+            ]
+        except ConfigError:
+            return False  # full AC refused here: no floor, measure the layout's own AC
+        rank = rank_memory(r, [s.index for s in specs], floors, p)
+        return choose(rank, actions, p, self._counts(rank, actions, p), self._walked(rank, p)) is None
+
     def fit(self, o: Outline) -> LayoutPlan | None:
         """`evaluate` of an outlined layout: per pp rank its stages measured (cached) and its policy picked; the
-        first rank that no policy fits ends it, before later ranks' stage kinds are measured."""
+        first rank that no policy fits ends it, before later ranks' stage kinds are measured; under AC "none" or
+        "selective" so does any rank that no policy fits at its cost floor, before any stage is measured at that AC."""
         p, plan, actions, microbatch = o.pcfg, o.plan, o.actions, o.microbatch
         ranks, picks, walked = [], [], []
+        kinds = [[stage_kind(s, self.signatures) for s in plan.for_rank(r)] for r in range(p.pp)]
+        if p.activation_checkpoint != "full" and any(
+            self._beyond(r, plan.for_rank(r), kinds[r], actions[r], p, microbatch) for r in range(p.pp)
+        ):  # every rank's floor before any rank's own AC is measured
+            return None
         for r in range(p.pp):
             specs = plan.for_rank(r)
             costs = [
-                self.costs.cost(
-                    p.tp, p.activation_checkpoint, p.ep, p.cp, stage_kind(s, self.signatures), p.dp_shard, microbatch
-                )
-                for s in specs
+                self.costs.cost(p.tp, p.activation_checkpoint, p.ep, p.cp, k, p.dp_shard, microbatch) for k in kinds[r]
             ]
             rank = rank_memory(r, [s.index for s in specs], costs, p)
-            seen: dict[FsdpPolicy, Walk] = {}
+            seen = self._walked(rank, p)
             pick = choose(rank, actions[r], p, self._counts(rank, actions[r], p), seen)
             if pick is None:
                 return None

@@ -3,15 +3,20 @@
 A full dry run per candidate parallelizes and runs every stage kind on fake tensors (about a second for a
 405B-like job); hundreds of candidates would take minutes. Blocks with the same parameter shapes are alike
 (pp_tp.planner.moe.block_signatures: dense and MoE layers differ) and saved activations grow with the
-microbatch, so a stage of kind (embed, blocks, head) is measured with its first block only, plus, per further
-block, a plain stage of (x, that block) minus one of (x) for what the block adds; on a fake world of ep x cp x tp
-ranks, with microbatches of one and two sequences, and the rest follows:
+microbatch, so a stage of kind (embed, blocks, head) is measured in parts: its edges alone (a stage of the
+embedding and/or the head and loss, no block), its first block alone, plus, per further block, a plain stage of
+(x, that block) minus one of (x) for what the block adds; on a fake world of ep x cp x tp ranks, with
+microbatches of one and two sequences, and the rest follows:
 
 - parameters: the TP/EP-local shapes of each part; FSDP gives dp/tp coordinate 0 the first chunk of dim 0,
   ceil(d0 / n) rows over its n = dp_shard x cp ranks (torch.chunk, as fully_shard pads), experts
   ceil(d0 / (dp_shard / ep)), so any dp_shard is counted exactly;
 - activations: additive over blocks and affine in the microbatch (rotary slices do not grow with it; nor do the
-  masks of context parallel's head-tail positions).
+  masks of context parallel's head-tail positions);
+- the edges add to the blocks (assumed, stated in BENCHMARKS.md "Planner search time at 1024 ranks"): what the
+  embedding and the head and loss save, and the parameters they hold, are the same with or without blocks beside
+  them; a block saves its input whether the embedding or the previous stage made it. Measuring the edges apart
+  runs each block forward once per (tp, AC, ep, cp) instead of once per edge kind (4 for a pp > 1 plan).
 
 tests/test_planner_search.py checks the result equals the full dry run (pp_tp.planner.plan_job).
 """
@@ -127,11 +132,12 @@ class StageCostCache:
         with fake_world(ep * cp * tp), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
             mesh = make_mesh("cpu", pcfg, ep * cp * tp)
-            models = [build_model(self._small, "meta") for _ in probes]  # the passes change modules in place
-            checked = checked_job(models[0], self.cfg, pcfg, mesh)
-            fsdp = FsdpPolicy.for_rank(checked.parallel, 0)
             fake = FakeTensorMode(allow_non_fake_inputs=True)
-            for probe, model in zip(probes, models):
+            for probe in probes:
+                model = build_model(self._small, "meta")  # the passes change modules in place
+                # checked per model: an HF layout knows its own model's blocks (their layer types by identity)
+                checked = checked_job(model, self.cfg, pcfg, mesh)
+                fsdp = FsdpPolicy.for_rank(checked.parallel, 0)
                 stage = build_stage(model, checked, self._spec(probe), mesh, fsdp)
                 shapes = Counter(_shape(p) for p in stage.parameters() if not is_expert(p))
                 experts = Counter(_shape(p) for p in stage.parameters() if is_expert(p))
@@ -151,34 +157,44 @@ class StageCostCache:
             self._measure(tp, ac, ep, cp, missing)
         return [self._measured[(tp, ac, ep, cp, k)] for k in probes]
 
-    def _probes(self, kind: Kind) -> tuple[Probe, list[tuple[Probe, Probe]]]:
-        """The stage with its first block only, and per further block the plain pair (x, that block) and (x)
-        whose difference is what the block adds wherever it is (x: the small model's first block)."""
+    def _probes(self, kind: Kind) -> tuple[list[Probe], list[tuple[Probe, Probe]]]:
+        """The stage's parts measured alone: its edges (no block) and its first block, and per further block the
+        plain pair (x, that block) and (x) whose difference is what the block adds wherever it is (x: the small
+        model's first block)."""
         embed, sigs, head = kind
-        one = (embed, (self._keys[sigs[0]][0],) if sigs else (), head)
+        parts = [(embed, (), head)] if embed or head else []
+        parts += [(False, (self._keys[sigs[0]][0],), False)] if sigs else []
         pairs = []
         for sig in sigs[1:]:
             key = next(k for k in self._keys[sig] if k != self._first)
             pairs.append(((False, (self._first, key), False), (False, (self._first,), False)))
-        return one, pairs
+        return parts, pairs
 
     def cost(self, tp: int, ac: str, ep: int, cp: int, kind: Kind, dp_shard: int, microbatch: int) -> StageCost:
         """The StageCost the full dry run would measure for this stage kind and layout (FSDP over dp_shard x cp)."""
         key = (tp, ac, ep, cp, kind, dp_shard, microbatch)
         if key not in self._costs:
             embed, _, head = kind
-            one_probe, pairs = self._probes(kind)
-            one, *rest = self._get(tp, ac, ep, cp, [one_probe, *(p for pair in pairs for p in pair)])
-            shapes, experts = Counter(one.shapes), Counter(one.experts)
-            act1, act2 = one.act, one.act2
+            probes, pairs = self._probes(kind)
+            measured = self._get(tp, ac, ep, cp, [*probes, *(p for pair in pairs for p in pair)])
+            parts, rest = measured[: len(probes)], measured[len(probes) :]
+            shapes, experts = Counter(), Counter()
+            act1 = act2 = recompute1 = recompute2 = held = 0
+            for part in parts:  # the edges and the first block add (see the module docstring)
+                shapes.update(part.shapes)
+                experts.update(part.experts)
+                act1, act2 = act1 + part.act, act2 + part.act2
+                recompute1, recompute2 = max(recompute1, part.recompute), max(recompute2, part.recompute2)
+                held += part.held
             for two, single in zip(rest[::2], rest[1::2]):  # what each further block adds
                 _plus(shapes, two.shapes, single.shapes)
                 _plus(experts, two.experts, single.experts)
                 act1, act2 = act1 + two.act - single.act, act2 + two.act2 - single.act2
-            blocks = one.blocks + tuple(two.blocks[-1] for two in rest[::2])
-            probe = Measured(+shapes, +experts, blocks, one.rest, act1, act2)
+            blocks = tuple(b for part in parts for b in part.blocks) + tuple(two.blocks[-1] for two in rest[::2])
+            edges = sum(part.rest for part in parts)
+            probe = Measured(+shapes, +experts, blocks, edges, act1, act2)
             act = act1 + (microbatch - 1) * (act2 - act1)
-            recompute = one.recompute + (microbatch - 1) * (one.recompute2 - one.recompute)
+            recompute = recompute1 + (microbatch - 1) * (recompute2 - recompute1)
             pcfg = dataclasses.replace(self.cfg.parallel, tp=tp, cp=cp)
             buffers, transient = boundary_extras(embed, head, pcfg, microbatch, self.cfg.training.seq_len, self.dims)
             self._costs[key] = StageCost(
@@ -188,6 +204,23 @@ class StageCostCache:
                 probe.unit,
                 buffers,
                 transient + recompute,
-                one.held,
+                held,
             )
         return self._costs[key]
+
+    def floor(self, tp: int, ac: str, ep: int, cp: int, kind: Kind, dp_shard: int, microbatch: int) -> StageCost:
+        """A StageCost no larger in any field than this stage kind's under AC `ac` ("none" or "selective"), from the
+        "full" AC one. Assumed (BENCHMARKS.md "Planner search time at 1024 ranks", checked by
+        tests/test_planner_search.py): parameters, buffers and cp's masks do not depend on AC; checkpointing fewer
+        modules saves at least what full AC saves (a checkpointed block keeps its input, an unchecked one what its
+        ops save, an fp32 norm's copy of that input among them); under "none" the stage saves at least what full AC's
+        recompute of its first block saves (not n blocks times that: blocks share masks and rotary tables); no
+        recompute under "none", some under "selective"."""
+        full = self.cost(tp, "full", ep, cp, kind, dp_shard, microbatch)
+        embed, sigs, head = kind
+        pcfg = dataclasses.replace(self.cfg.parallel, tp=tp, cp=cp)
+        _, transient = boundary_extras(embed, head, pcfg, microbatch, self.cfg.training.seq_len, self.dims)
+        act = full.act_bytes
+        if ac == "none" and sigs:
+            act = max(act, full.transient_bytes - transient)
+        return dataclasses.replace(full, act_bytes=act, transient_bytes=transient)
