@@ -96,13 +96,15 @@ def _broadcast_flat(tensors: list[torch.Tensor], src: int) -> None:
     """`tensors` from `src` into every other rank's, one flat broadcast per dtype (pickling them, as
     broadcast_object_list did, cost a copy on each side and a collective per object; one per tensor, a collective
     each)."""
+    # NCCL (the default group on CUDA) sends only tensors on the rank's current CUDA device.
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
     for dtype, group in by_dtype.items():
-        flat = torch.cat([t.reshape(-1) for t in group]) if dist.get_rank() == src else None
+        flat = torch.cat([t.reshape(-1) for t in group]).to(device) if dist.get_rank() == src else None
         if flat is None:
-            flat = torch.empty(sum(t.numel() for t in group), dtype=dtype)
+            flat = torch.empty(sum(t.numel() for t in group), dtype=dtype, device=device)
         wire = flat.view(torch.uint8) if dtype == torch.bool else flat  # gloo sends bytes, not bools
         dist.broadcast(wire, src=src)
         if dist.get_rank() != src:
