@@ -256,7 +256,7 @@ def full_state_case(layout: dict, family: str) -> dict:
             # gloo's worker thread drops a finished collective's tensors only after wait() has returned
             # (ProcessGroupGloo's workInProgress_ slot): on a loaded machine it could still hold this tensor while the
             # next is gathered. A moment for it to let go, so the peak counts what iter_full_state_dict holds.
-            time.sleep(0.01)
+            time.sleep(0.03)
     with NewStorage() as control, torch.no_grad():
         for part in pipe.model_parts:
             for p in part.parameters():
