@@ -9,13 +9,8 @@ very mesh it was computed on (tests/harness.py says why caches must not outlive 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
-
-import parity_utils as pu
-
-import pp_tp
 
 Case = tuple[str, Callable[..., Any], tuple]
 
@@ -35,24 +30,3 @@ def run_cases(world, cases: list[Case]) -> dict[str, list[Any]]:
     """Every case in one round trip on `world`; per case name, the per-rank results."""
     per_rank = world.run(cases_in_one_run, cases)
     return {name: [r[name] for r in per_rank] for name, _, _ in cases}
-
-
-@contextlib.contextmanager
-def session_meshes() -> Iterator[None]:
-    """`pp_tp.build_mesh`, which `pp-tp parity` calls once per run, answered from the session's meshes (one per shape,
-    parity_utils.mesh_for): new gloo groups for every config cost more than some configs' runs, and DTensor's
-    sharding caches, kept between the runs of one case, are then keyed by the very meshes the runs use."""
-    build = pp_tp.build_mesh
-
-    def cached(pcfg):
-        pp_tp.build_mesh = build  # mesh_for builds with it
-        try:
-            return pu.mesh_for(pcfg)
-        finally:
-            pp_tp.build_mesh = cached
-
-    pp_tp.build_mesh = cached
-    try:
-        yield
-    finally:
-        pp_tp.build_mesh = build

@@ -51,7 +51,7 @@ def test_block_inputs_that_require_grad_are_never_reused():
         calls.append(1)
         return (stage.rope, h.sum() * 0)  # built from h's values: must not cross microbatches
 
-    stage = _stage(replace(REFERENCE, block_inputs=grad_extras, call_block=lambda b, h, e: b(h, e[0]) + e[1]))
+    stage = _stage(replace(REFERENCE, block_inputs=grad_extras, call_block=lambda b, h, e, i: b(h, e[0]) + e[1]))
     with stage.reuse_block_inputs():
         for _ in range(3):
             stage(torch.randint(0, pu.TINY.vocab_size, (2, 8))).sum().backward()

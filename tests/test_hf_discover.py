@@ -133,7 +133,7 @@ def test_layers_the_forward_skips_are_found_by_their_class():
     assert skipped_layers(model, "layers", handed(model, "layers")) == {1, 4}
     lay = layout_for(model)
     h = torch.randn(2, 3, 32)
-    assert lay.call_block(model.model.layers[4], h, ()) is h
+    assert lay.call_block(model.model.layers[4], h, (), 4) is h
 
 
 def _first_layer_input(model: torch.nn.Module, blocks: str, ids: torch.Tensor, positions: torch.Tensor | None):

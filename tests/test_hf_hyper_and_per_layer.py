@@ -185,7 +185,7 @@ def test_a_flat_stream_is_carried_viewed_and_handed_to_each_layer_flat():
     flat = after_embed(config)(h)
     assert torch.equal(flat, h.repeat(1, 1, 3))
     seen = []
-    call = hyper.flat_call(lambda block, x, extras: seen.append(x.shape) or x * 2, 3)
-    out = call(None, call(None, flat, ()), ())  # first layer after the embedding, then one after a boundary
+    call = hyper.flat_call(lambda block, x, extras, index: seen.append(x.shape) or x * 2, 3)
+    out = call(None, call(None, flat, (), 0), (), 1)  # first layer after the embedding, then one after a boundary
     assert seen == [(2, 5, 12), (2, 5, 12)] and out.shape == (2, 5, 3, 4)
     assert torch.equal(hyper.flatten(out), flat * 4)

@@ -61,9 +61,9 @@ def test_each_layer_gets_its_index_and_the_first_layers_input():
     assert "model.layers.3.shared_transformer.self_attn.linear_q_adapter_list.1.0.weight" in tied
     seen = []
     carry = Carried(("layer_idx",), ("original_hidden_states",))
-    call = carry.call(lambda block, h, extras, **kw: seen.append(kw) or h * 2)
+    call = carry.call(lambda block, h, extras, index, **kw: seen.append(kw) or h * 2)
     h = torch.randn(2, 3, 2, 4)
-    out = call(model.model.layers[3], h, (), index=3)
+    out = call(model.model.layers[3], h, (), 3)
     assert seen[0]["layer_idx"] == 3 and torch.equal(seen[0]["original_hidden_states"], h[:, :, 1])
     assert torch.equal(out, torch.stack([h[:, :, 0] * 2, h[:, :, 1]], dim=2))
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import math
 
+import parity_utils as pu
 import pytest
 import torch
-from one_trip import session_meshes
 from train_utils import job
 
 from pp_tp.config import config_from_dict
@@ -18,7 +18,8 @@ def nan_case(d: dict, restore: bool) -> list:
     """Sets a stage-1 weight to NaN before step 2 (and back before step 3 when `restore`)."""
     from pp_tp.train.trainer import Trainer
 
-    trainer, saved = Trainer(config_from_dict(d)), {}
+    cfg = config_from_dict(d)
+    trainer, saved = Trainer(cfg, mesh=pu.mesh_for(cfg.parallel)), {}
 
     def before_step(step: int) -> None:
         for part in trainer.pipe.model_parts:
@@ -39,12 +40,11 @@ def nan_case(d: dict, restore: bool) -> list:
 
 
 def both_cases() -> dict[str, list]:
-    """The stopping and the skipping job in one round trip, on the session's meshes (tests/one_trip.py)."""
-    with session_meshes():
-        return {
-            "stop": nan_case(job(training={"steps": 3}), False),
-            "skip": nan_case(job(training={"steps": 3, "skip_nonfinite": True}), True),
-        }
+    """The stopping and the skipping job in one round trip, on the session's meshes (parity_utils.mesh_for)."""
+    return {
+        "stop": nan_case(job(training={"steps": 3}), False),
+        "skip": nan_case(job(training={"steps": 3, "skip_nonfinite": True}), True),
+    }
 
 
 @pytest.fixture(scope="module")

@@ -130,7 +130,8 @@ def _all_cases() -> tuple[list[dict], list[float], int]:
     per-rank run on the shipped ViT TOML at pp2 x dp2 FSDP (0 when every step passes the float64 verdict)."""
     parity = [_compare(kind, loss, norm, **kw) for kind, loss, norm, kw in CASES]
     rows = train(load_config(CREDIT_TOML, TRAIN_STEPS))
-    return parity, [r["loss"] for r in rows], run_parity(load_config(VIT_TOML, VIT_FSDP), 2)
+    vit = load_config(VIT_TOML, VIT_FSDP)
+    return parity, [r["loss"] for r in rows], run_parity(vit, 2, mesh=mesh_for(vit.parallel))
 
 
 def test_nonlm_parity_tp_collectives_and_shipped_tomls(world):

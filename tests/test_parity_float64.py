@@ -9,8 +9,8 @@ import contextlib
 import io
 import os
 
+import parity_utils as pu
 import pytest
-from one_trip import session_meshes
 from train_utils import REPO
 
 from pp_tp.config import config_from_dict
@@ -39,7 +39,8 @@ def _parity_case(name: str, off: float = 0.0) -> tuple[int, str]:
     pp_tp.build_pipeline = perturbed if off else build
     try:
         with contextlib.redirect_stdout(out):
-            code = parity.main(argv)
+            cfg, steps = parity.parity_job(argv)
+            code = parity.run_parity(cfg, steps, mesh=pu.mesh_for(cfg.parallel))
     finally:
         pp_tp.build_pipeline = build
     return code, out.getvalue()
@@ -53,9 +54,8 @@ def _worst(out: str) -> dict[str, float]:
 
 def float64_cases() -> dict[str, tuple[int, str]]:
     """Every config's float64 parity, then debug_cpu with a weight off by 1e-9, in one round trip on the session's
-    meshes (one_trip.session_meshes)."""
-    with session_meshes():
-        return {**{name: _parity_case(name) for name in CONFIGS}, "off by 1e-9": _parity_case("debug_cpu", 1e-9)}
+    meshes (parity_utils.mesh_for)."""
+    return {**{name: _parity_case(name) for name in CONFIGS}, "off by 1e-9": _parity_case("debug_cpu", 1e-9)}
 
 
 def test_float64_pipeline_equals_the_float64_plain_model_and_a_weight_off_by_1e9_fails(world):

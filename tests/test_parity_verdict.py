@@ -12,7 +12,7 @@ from dataclasses import replace
 import parity_utils as pu
 import pytest
 import torch
-from one_trip import run_cases, session_meshes
+from one_trip import run_cases
 
 from pp_tp.base.tensors import full_tensor
 from pp_tp.cli.parity import run_parity
@@ -105,8 +105,8 @@ def test_planted_bugs_fail_and_the_correct_build_passes(four_ranks):
 
 def shipped_case() -> list[int]:
     """`pp-tp parity`'s per-rank run on every shipped CPU config with its defaults (0: every step passed)."""
-    with session_meshes():
-        return [run_parity(load_config(path, []), 2) for path in SHIPPED]
+    cfgs = [load_config(path, []) for path in SHIPPED]
+    return [run_parity(cfg, 2, mesh=pu.mesh_for(cfg.parallel)) for cfg in cfgs]
 
 
 def test_every_shipped_cpu_config_passes_parity_with_its_defaults(four_ranks):

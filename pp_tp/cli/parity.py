@@ -22,6 +22,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 import pp_tp
 from pp_tp.base.seeded_init import init_weights
@@ -62,12 +63,13 @@ def parity_batches(cfg: JobConfig, steps: int) -> Iterator[tuple[torch.Tensor, t
     return (loader.next()[:2] for _ in range(steps))
 
 
-def run_parity(cfg: JobConfig, steps: int) -> int:
+def run_parity(cfg: JobConfig, steps: int, mesh: DeviceMesh | None = None) -> int:
     """Per-rank work; returns 0 when every step's loss, gradients, parameters, buffers (and clipped norm) pass the
     float64 verdict on every rank (pp_tp/parity/lockstep.py judges them). The optimizer is the job's: AdamW with its lr,
-    betas and weight decay (torch's eps), clipping at `training.max_norm`."""
+    betas and weight decay (torch's eps), clipping at `training.max_norm`. `mesh`: one of `cfg.parallel`'s shape the
+    caller already holds (tests running many configs reuse theirs); None builds it, as the CLI does."""
     init_distributed(cfg.training.comm_timeout_s)
-    mesh = pp_tp.build_mesh(cfg.parallel)
+    mesh = pp_tp.build_mesh(cfg.parallel) if mesh is None else mesh
     model, meta = build_model(cfg.model, "cpu"), build_model(cfg.model, "meta")
     dropout = switch_off_dropout(model)  # two builds draw different masks: compare without them (said below)
     switch_off_dropout(meta)
@@ -164,14 +166,19 @@ def format_table(rows: list[tuple]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Per-rank entry under torchrun: `python -m pp_tp.cli.parity --config F [--steps N] [overrides]`."""
-    parser = argparse.ArgumentParser(prog="pp_tp.cli.parity")
-    add_parity_args(parser)
-    args = parser.parse_args(argv)
     try:
-        return run_parity(load_job(float64_overrides(args)), args.steps)
+        return run_parity(*parity_job(argv))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def parity_job(argv: list[str] | None) -> tuple[JobConfig, int]:
+    """The job and the step count the per-rank arguments name (--float64 as its override), for `run_parity`."""
+    parser = argparse.ArgumentParser(prog="pp_tp.cli.parity")
+    add_parity_args(parser)
+    args = parser.parse_args(argv)
+    return load_job(float64_overrides(args)), args.steps
 
 
 def add_parity_args(parser: argparse.ArgumentParser) -> None:

@@ -87,8 +87,9 @@ class ModelLayout:
     cannot mask documents (refused in one line).
     ``static_block_inputs``: True when block_inputs depends on h only through its shape, dtype and device (masks,
     rotary tables), so a step computes them once per microbatch shape; False (the default) calls it per microbatch.
-    ``call_block(block, h, extras)``: runs one block, returning the new hidden state; one with an ``index`` parameter
-    is also handed the block's global index, its key in ``blocks`` (a Hugging Face layer taking its own: Zamba2).
+    ``call_block(block, h, extras, index)``: runs one block, returning the new hidden state; every stage hands it the
+    block's global index, its position in ``blocks`` (`block_keys`), which a layout may ignore or use (a Hugging Face
+    layer taking its own, Zamba2's `layer_idx`; Gemma 4's slice of the per-layer inputs; Mllama's skipped layers).
     ``block_ids``: the blocks read the batch's token ids (DeepSeek-V4's hash routers): `Pipeline.step` hands every
     stage its microbatch's ids (a schedule keyword, as position ids) and the stage appends them to the extras.
     ``init_buffers(stage, model)``: recomputes non-persistent buffers after meta -> device materialization.
@@ -110,7 +111,7 @@ class ModelLayout:
     last: Edge
     shared: tuple[str, ...]
     block_inputs: Callable[[nn.Module, torch.Tensor], tuple[Any, ...]]
-    call_block: Callable[[nn.Module, torch.Tensor, tuple[Any, ...]], torch.Tensor]
+    call_block: Callable[[nn.Module, torch.Tensor, tuple[Any, ...], int], torch.Tensor]
     init_buffers: Callable[[nn.Module, nn.Module], None]
     tp_plan: dict[str, str] = field(default_factory=dict)
     qk_norms: tuple[str, ...] = ()
@@ -163,7 +164,7 @@ def blocks_layout(
     fields = dict(
         shared=(),
         block_inputs=lambda stage, h: (),
-        call_block=lambda block, h, extras: block(h, *extras),
+        call_block=lambda block, h, extras, index: block(h, *extras),
         init_buffers=lambda stage, model: None,
     )
     fields.update(extra)

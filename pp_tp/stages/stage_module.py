@@ -10,7 +10,6 @@ language model, any shape for others).
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -83,8 +82,8 @@ class StageModule(nn.Module):
             name: aliases.get(name, name) for name, _ in self.named_parameters(remove_duplicate=False)
         }
         self._block_inputs_cache: dict[tuple, tuple[Any, ...]] | None = None  # on only inside reuse_block_inputs()
-        # A call_block naming an `index` parameter is handed each block's global index (its key in `layout.blocks`).
-        self._indexed = "index" in inspect.signature(layout.call_block).parameters
+        keys = layout.block_keys(model) if spec.blocks else []
+        self._indices = [keys.index(key) for key in spec.blocks]  # each block's global index, for `call_block`
 
     @property
     def is_first(self) -> bool:
@@ -140,12 +139,8 @@ class StageModule(nn.Module):
                 if ids is None:
                     raise TypeError(f"stage {self.spec.index}: its blocks read the token ids; pass input_ids")
                 extras = (*extras, ids)
-            for key, block in zip(self.spec.blocks, self.block_modules()):
-                h = (
-                    lay.call_block(block, h, extras, index=int(key))
-                    if self._indexed
-                    else lay.call_block(block, h, extras)
-                )
+            for index, block in zip(self._indices, self.block_modules()):
+                h = lay.call_block(block, h, extras, index)
         if self.is_last:
             h = lay.last.call(self, h, position_ids)
         if isinstance(h, AsyncCollectiveTensor):  # a TP all-reduce/all-gather still in flight: finish it here

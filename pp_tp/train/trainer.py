@@ -114,9 +114,10 @@ class Trainer:
     The order: the data source and held-out text are checked first (one-line errors, nothing started); the "auto"
     FSDP policies and the planner's dry run each need a fake process group of their own, so both come before
     `init_distributed`; then mesh, model (meta), pipeline, loader, optimizers, checkpointer, and the resume from the
-    newest checkpoint (step, weights, optimizer, data position, RNG), which needs all of them."""
+    newest checkpoint (step, weights, optimizer, data position, RNG), which needs all of them. `mesh`: one of
+    cfg.parallel's shape the caller already holds (tests running many jobs reuse theirs); None builds it."""
 
-    def __init__(self, cfg: JobConfig):
+    def __init__(self, cfg: JobConfig, mesh: DeviceMesh | None = None):
         self.source = make_source(cfg)
         check_tensorboard(cfg.training.tensorboard_dir)
         self.validator = Validator(cfg)  # held-out text checked here, before any collective
@@ -125,7 +126,7 @@ class Trainer:
         t = self.cfg.training
         init_distributed(t.comm_timeout_s)
         torch.manual_seed(t.seed)
-        self.mesh = pp_tp.build_mesh(self.cfg.parallel)
+        self.mesh = pp_tp.build_mesh(self.cfg.parallel) if mesh is None else mesh
         model = build_model(self.cfg.model, "meta")
         layout = layout_for(model)
         flops = flops_per_token(model, layout, t.seq_len)  # on the meta model, before build_pipeline prunes it

@@ -30,7 +30,7 @@ class BlockContext:
         self,
         model: nn.Module,
         rotary: str | None,
-        layer_types: dict[int, str],
+        layer_types: list[str],
         block_kwargs: set[str],
         found: Handed | None = None,
         computed: LayerArgs | None = None,
@@ -42,8 +42,8 @@ class BlockContext:
         self.computed = computed
         self.mask_dtype = mask_dtype
         self.rotary = rotary
-        self.layer_types = layer_types  # id(block) -> layer type
-        self.masks = LayerMasks(model, layer_types.values())
+        self.layer_types = layer_types  # per global layer index
+        self.masks = LayerMasks(model, layer_types)
         self.block_kwargs = block_kwargs
         self.required: dict[type, tuple[str, ...]] = {}  # per layer class, its arguments without default
         self.per_type_rotary = (
@@ -53,7 +53,7 @@ class BlockContext:
         # forward hands every layer all its tables. Keyed by some layer types only (LFM3's attention types beside
         # its 'conv' layers): each layer gets its type's table, or None.
         own = getattr(model.get_submodule(rotary), "layer_types", None) if self.per_type_rotary else None
-        types = set(layer_types.values())
+        types = set(layer_types)
         self.all_tables = tuple(own) if own and not types & set(own) else ()
         self.tables = self.all_tables or tuple(sorted(types & set(own) if own else types))
         self.no_rotary: set[str] = set()  # layer types the forward hands no rotary tables (LaraMini's global layers)
@@ -127,12 +127,14 @@ class BlockContext:
             computed = next(iter(self.computed(position_ids, h.shape[0], h.dtype).values()))
         return position_ids, masks, embeddings, computed, per_type
 
-    def call(self, block: nn.Module, h: torch.Tensor, extras: tuple[Any, ...], **handed: Any) -> torch.Tensor:
+    def call(
+        self, block: nn.Module, h: torch.Tensor, extras: tuple[Any, ...], index: int, **handed: Any
+    ) -> torch.Tensor:
         """One decoder layer, called with the keywords the model's own forward passes it; `extras` end with the
         microbatch's token ids where the layers read them (layout.block_ids); `handed`: what the caller hands this
         layer alone (its per-layer input: per_layer_inputs.py)."""
         position_ids, masks, embeddings, computed, per_type, *ids = extras
-        kind = self.layer_types[id(block)]
+        kind = self.layer_types[index]
         kwargs = {
             "attention_mask": self._as_handed(masks[kind]),
             "position_ids": position_ids,

@@ -49,22 +49,17 @@ class Carried:
         return {*self.index_keys, *self.stream_keys}
 
     def call(self, inner: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        """`call_block` handing each layer its global `index` (StageModule hands it: the block's key in the layer list)
-        and, with a stream, its hidden state and the carried input (fresh copies, so no layer keeps the pair alive for
-        its backward), the pair handed on."""
+        """`call_block` handing each layer its global `index` (StageModule hands it: the block's position in the layer
+        list) under the keys the forward hands it, and, with a stream, its hidden state and the carried input (fresh
+        copies, so no layer keeps the pair alive for its backward), the pair handed on."""
 
-        def call_block(
-            block: nn.Module, h: torch.Tensor, extras: tuple[Any, ...], index: int | None = None, **handed: Any
-        ) -> torch.Tensor:
-            if self.index_keys:  # (none where none is handed: a family whose trace shows no layers has none)
-                if index is None:
-                    raise TypeError(f"{type(block).__name__} takes its layer index ({self.index_keys[0]}): pass index")
-                handed |= dict.fromkeys(self.index_keys, index)
+        def call_block(block: nn.Module, h: torch.Tensor, extras: tuple[Any, ...], index: int) -> torch.Tensor:
+            handed = dict.fromkeys(self.index_keys, index)  # (none where none is handed)
             if not self.stream_keys:
-                return inner(block, h, extras, **handed)
+                return inner(block, h, extras, index, **handed)
             first = h[:, :, 1]
             handed |= dict.fromkeys(self.stream_keys, first.clone())
-            out = inner(block, h[:, :, 0].clone(), extras, **handed)
+            out = inner(block, h[:, :, 0].clone(), extras, index, **handed)
             return torch.stack([out, first], dim=2)
 
         return call_block

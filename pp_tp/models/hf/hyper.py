@@ -52,8 +52,8 @@ def flat_call(inner: Callable[..., torch.Tensor], n: int) -> Callable[..., torch
     """`call_block` for the flat form with `n` streams: the layer gets the stream flat (as the first layer does
     straight after the embedding) and its output goes on viewed `[B, S, n, D]`, the boundary's shape."""
 
-    def call_block(block: torch.nn.Module, h: torch.Tensor, extras: Any, **handed: Any) -> torch.Tensor:
-        out = inner(block, flatten(h), extras, **handed)
+    def call_block(block: torch.nn.Module, h: torch.Tensor, extras: Any, index: int, **handed: Any) -> torch.Tensor:
+        out = inner(block, flatten(h), extras, index, **handed)
         return out.unflatten(-1, (n, -1))
 
     return call_block

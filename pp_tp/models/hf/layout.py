@@ -195,13 +195,13 @@ def compose(model: nn.Module) -> ModelLayout:
     extra, collapse, ple_held = _outside_plan(model, pp_plan)
     blocks = list(base.get_submodule(blocks_key).children())
     found = handed(model, blocks_key) if prefix == embedding_parent(model) else None
-    ple = per_layer_inputs.find(model, prefix, blocks, found, ple_held)
+    ple = per_layer_inputs.find(model, prefix, found, ple_held)
     rotary = next((f"{prefix}.{n}" for n in extra if "position_ids" in _params(base.get_submodule(n).forward)), None)
     skipped = _refuse_untraceable(model, blocks_key, found)
     _refuse_cross_layer_inputs(model, f"{prefix}.{blocks_key}", blocks, found)
     streams = hyper.streams(model.config) or (2 if ple is not None else 1)
     carry = carried.find(model, f"{prefix}.{blocks_key}", found, streams)
-    types = dict(zip((id(b) for b in blocks), layer_types_of(model.config, len(blocks))))
+    types = layer_types_of(model.config, len(blocks))
     block_kwargs = _params(blocks[0].forward) | pp_plan.block_kwargs | pp_plan.computed | carry.keys
     context = {"attention_mask", "position_ids", "position_embeddings"}
     if not block_kwargs & context and _takes_var_keywords(blocks[0]):
@@ -224,9 +224,7 @@ def compose(model: nn.Module) -> ModelLayout:
         # Positions from the ids' shape, biases from the batch's shape: packed documents' positions reach neither.
         document_block_inputs=None if pp_plan.positions_from_ids or pp_plan.computed else ctx.document_inputs,
         **carry.steps(
-            _stream_steps(
-                pp_plan, model, ple, (pre, tuple(ple_held), collapse), head, skipping(ctx.call, blocks, skipped)
-            )
+            _stream_steps(pp_plan, model, ple, (pre, tuple(ple_held), collapse), head, skipping(ctx.call, skipped))
         ),
         tp_plan=tp_plan,
         tp_refusal=tp_refusal,

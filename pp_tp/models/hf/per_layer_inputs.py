@@ -64,7 +64,6 @@ class PerLayerInputs:
     attrs: dict[str, Any]  # the plain attributes they read (config, scales), as the base model holds them
     width: int  # P, one layer's input width
     dim: int  # D, the hidden width
-    index: dict[int, int]  # id(block) -> its layer index
 
     def compute(self, stage: nn.Module, ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """`[B, S, L, P]` by the model's own methods, bound to the stage's modules (the stage holds them all)."""
@@ -83,10 +82,12 @@ class PerLayerInputs:
         """`call_block` over the packed tensor: the layer gets the hidden state and its own slice (fresh copies, so no
         layer keeps the packed tensor alive for its backward) and returns the new hidden state, packed again."""
 
-        def call_block(block: nn.Module, h: torch.Tensor, extras: tuple[Any, ...]) -> torch.Tensor:
-            i, carried = self.index[id(block)], h[:, :, 1:]
-            mine = carried.flatten(2)[..., i * self.width : (i + 1) * self.width].clone()
-            out = inner(block, h[:, :, 0].clone(), extras, per_layer_input=mine)
+        def call_block(
+            block: nn.Module, h: torch.Tensor, extras: tuple[Any, ...], index: int, **handed: Any
+        ) -> torch.Tensor:
+            carried = h[:, :, 1:]
+            mine = carried.flatten(2)[..., index * self.width : (index + 1) * self.width].clone()
+            out = inner(block, h[:, :, 0].clone(), extras, index, per_layer_input=mine, **handed)
             return torch.cat([out.unsqueeze(2), carried], dim=2)
 
         return call_block
@@ -120,7 +121,7 @@ def candidates(model: nn.Module, base: str, weighted: list[str]) -> list[str]:
     return [w for w in weighted if w in names]
 
 
-def find(model: nn.Module, base: str, blocks: list[nn.Module], found: Any, held: list[str]) -> PerLayerInputs | None:
+def find(model: nn.Module, base: str, found: Any, held: list[str]) -> PerLayerInputs | None:
     """The per-layer inputs the modules `held` (`candidates`) compute, where the traced forward (`found`) hands every
     layer a `per_layer_input` of `[rows, seq, P]`; refused in one line where it does not; None where `held` is empty."""
     if not held:
@@ -140,8 +141,7 @@ def find(model: nn.Module, base: str, blocks: list[nn.Module], found: Any, held:
     names = _read_names(cls)
     used = tuple(sorted(n for n, _ in module.named_children() if n in names))
     attrs = {n: v for n, v in vars(module).items() if n in names and not isinstance(v, nn.Module)}
-    index = {id(b): i for i, b in enumerate(blocks)}
-    return PerLayerInputs(base, cls, used, attrs, config.hidden_size_per_layer_input, config.hidden_size, index)
+    return PerLayerInputs(base, cls, used, attrs, config.hidden_size_per_layer_input, config.hidden_size)
 
 
 def _sized(value: Any, shape: tuple[int, ...]) -> bool:

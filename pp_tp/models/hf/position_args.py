@@ -34,8 +34,8 @@ def position_args(
     if not keys:
         return None, ()
     # The layer list: the small copy's of `types`' length (the traced one; a wrong pick reproduces nothing: refused).
-    copy = record_of(model).model
-    lists = (n for n, m in copy.named_modules() if isinstance(m, nn.ModuleList) and len(m) == len(types))
+    traced = record_of(model).model
+    lists = (n for n, m in traced.named_modules() if isinstance(m, nn.ModuleList) and len(m) == len(types))
     blocks = next(lists, None)
     try:
         small = LayerArgs(Prologue(type(model), found.config, blocks), keys, True)

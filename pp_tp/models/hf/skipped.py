@@ -41,14 +41,13 @@ def skipped_layers(model: nn.Module, blocks: str, found: Handed | None) -> froze
     return frozenset(k for k, layer in enumerate(layers) if type(layer) not in ran)
 
 
-def skipping(call_block: CallBlock, blocks: list[nn.Module], skipped: frozenset[int]) -> CallBlock:
-    """`call_block` that hands the hidden state through the layers at `skipped` unchanged (identity, as the model's
-    forward does by not calling them); `call_block` itself where none is skipped."""
+def skipping(call_block: CallBlock, skipped: frozenset[int]) -> CallBlock:
+    """`call_block` that hands the hidden state through the layers at `skipped` (global indices) unchanged (identity,
+    as the model's forward does by not calling them); `call_block` itself where none is skipped."""
     if not skipped:
         return call_block
-    ids = frozenset(id(blocks[k]) for k in skipped)
 
-    def call(block: nn.Module, h: torch.Tensor, extras: tuple[Any, ...], **handed: Any) -> torch.Tensor:
-        return h if id(block) in ids else call_block(block, h, extras, **handed)
+    def call(block: nn.Module, h: torch.Tensor, extras: tuple[Any, ...], index: int, **handed: Any) -> torch.Tensor:
+        return h if index in skipped else call_block(block, h, extras, index, **handed)
 
     return call

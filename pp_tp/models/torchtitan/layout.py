@@ -151,7 +151,7 @@ def _layout(name: str, fused: bool) -> ModelLayout:
         last=in_order("norm", "lm_head"),
         shared=(),
         block_inputs=_block_inputs,
-        call_block=lambda block, h, extras: block(h, *extras),
+        call_block=lambda block, h, extras, index: block(h, *extras),
         init_buffers=_init_buffers,
         tp_plan={**_BASE_PLAN, **qkv},
         qk_norms=("attention.q_norm", "attention.k_norm"),

@@ -59,7 +59,7 @@ LAYOUT = ModelLayout(
     last=in_order("ln_f", "head"),
     shared=(),
     block_inputs=lambda stage, h: (),
-    call_block=lambda block, h, extras: block(h),
+    call_block=lambda block, h, extras, index: block(h),
     init_buffers=lambda stage, model: None,
 )
 
