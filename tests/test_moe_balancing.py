@@ -11,6 +11,7 @@ from __future__ import annotations
 import parity_utils as pu
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from hf_utils import SEQ, VOCAB, seeded_state
 from test_hf_families import make
@@ -70,49 +71,69 @@ def _plain_step(model, ids, labels, dp: int, m: int, coef: float) -> tuple[float
     return loss, aux_total, slots
 
 
-def balancing_case(name: str, kw: dict, coef: float, rate: float, steps: int = 2) -> dict:
+def _plain_run(name: str, state: dict, batch: tuple, dp: int, m: int, coef: float, rate: float, steps: int) -> dict:
+    """The plain model's `steps` (AdamW, then the bias update by the step's slots): per step its loss, aux loss and
+    slots per layer; the first step's gradients; the parameters and persistent buffers after the last."""
+    torch.manual_seed(0)
+    model = _model(name)
+    model.load_state_dict(state, strict=False)
+    opt = pu.adamw()(list(model.parameters()))
+    out: dict = {"loss": [], "aux": [], "slots": []}
+    for step in range(steps):
+        opt.zero_grad()
+        loss, aux, slots = _plain_step(model, *batch, dp, m, coef)
+        for key, value in (("loss", loss), ("aux", aux), ("slots", slots)):
+            out[key].append(value)
+        if step == 0:
+            out["grads"] = {k: p.grad.clone() for k, p in model.named_parameters()}
+        opt.step()
+        with torch.no_grad():
+            for b, c in zip(_biases(model, sorted(slots)) if rate else (), (slots[k].float() for k in sorted(slots))):
+                b += rate * torch.sign(c.mean() - c)
+    out["params"] = {k: p.detach().clone() for k, p in model.named_parameters()}
+    out["buffers"] = {k: b.clone() for k, b in persistent_buffers(model).items()}
+    return out
+
+
+def balancing_case(name: str, kw: dict, coef: float, rate: float, steps: int = 2, owner: int = 0) -> dict:
     """Per rank: worst relative errors of loss, aux_loss, gradients (first step), parameters and persistent buffers
-    (after `steps`), and whether tokens_per_expert equalled the plain slot counts on every step."""
+    (after `steps`), and whether tokens_per_expert equalled the plain slot counts on every step. The plain run is the
+    same on every rank: rank `owner` runs it and sends it to the others."""
     pcfg = pu.pcfg_of(**kw)
     mesh = pu.mesh_for(pcfg)
     hf = name not in ("moe", "moe_sigmoid")
     state = seeded_state(_model(name)) if hf else pu.reference_state(MOE if name == "moe" else MOE_SIGMOID)
     args = ModelArgs(vocab_size=VOCAB) if hf else MOE
     ids, labels = pu.batch(args, 8, SEQ, pad=True)
+    plain = [None]
+    if dist.get_rank() == owner:
+        plain = [_plain_run(name, state, (ids, labels), dp_size(mesh), pcfg.microbatches, coef, rate, steps)]
+    dist.broadcast_object_list(plain, src=owner)
+    want = plain[0]
     torch.manual_seed(0)
-    model = _model(name)
-    model.load_state_dict(state, strict=False)
     moe = pp_tp.MoEConfig(aux_loss_coef=coef, bias_update_rate=rate)
     pipe = pp_tp.build_pipeline(_model(name, "meta"), mesh, pcfg, state_dict=state, moe=moe)
-    ref_opt = pu.adamw()(list(model.parameters()))
     opt = pu.adamw()([p for part in pipe.model_parts for p in part.parameters()])
     per = ids.shape[0] // dp_size(mesh)
     share = slice(dp_rank(mesh) * per, (dp_rank(mesh) + 1) * per)
     errs = {"loss": 0.0, "aux": 0.0, "grad": 0.0}
     counts_equal = True
     for step in range(steps):
-        ref_opt.zero_grad()
         opt.zero_grad()
-        want_loss, want_aux, slots = _plain_step(model, ids, labels, dp_size(mesh), pcfg.microbatches, coef)
         got_loss = float(pipe.step(ids[share], labels[share]))
+        want_loss, want_aux = want["loss"][step], want["aux"][step]
         errs["loss"] = max(errs["loss"], abs(got_loss - want_loss) / want_loss)
         errs["aux"] = max(errs["aux"], abs(pipe.moe_stats["aux_loss"] - want_aux) / max(want_aux, 1e-30))
         got_counts = pipe.moe_stats["tokens_per_expert"]
-        counts_equal &= all(torch.equal(c, slots[k]) for k, c in got_counts.items())
+        counts_equal &= all(torch.equal(c, want["slots"][step][k]) for k, c in got_counts.items())
         if step == 0:
-            want = dict(model.named_parameters())
             got = {k: pu.full_tensor(p.grad) for part in pipe.model_parts for k, p in part.named_parameters()}
-            errs["grad"] = max(pu.rel_err(g, want[k].grad) for k, g in got.items())
-        ref_opt.step()
+            errs["grad"] = max(pu.rel_err(g, want["grads"][k]) for k, g in got.items())
         opt.step()
-        with torch.no_grad():
-            for b, c in zip(_biases(model, sorted(slots)) if rate else (), (slots[k].float() for k in sorted(slots))):
-                b += rate * torch.sign(c.mean() - c)
         pipe.update_expert_bias()
-    want_p = dict(model.named_parameters())
-    errs["param"] = max(pu.rel_err(pu.full_tensor(p), want_p[k]) for part in pipe.model_parts
+    errs["param"] = max(pu.rel_err(pu.full_tensor(p), want["params"][k]) for part in pipe.model_parts
                         for k, p in part.named_parameters())  # fmt: skip
-    want_b = persistent_buffers(model)
+    want_b = want["buffers"]
     got_b = {k: b for part in pipe.model_parts for k, b in persistent_buffers(part).items()}
     errs["buffer"] = max((pu.rel_err(b, want_b[k]) for k, b in got_b.items()), default=0.0)
     moved = max((float((want_b[k] - state[k]).abs().max()) for k in got_b if "bias" in k), default=0.0)
@@ -141,7 +162,8 @@ CASES = [
 
 
 def run_cases(cases: list) -> list[dict]:
-    return [balancing_case(*case) for case in cases]
+    """Every case; each case's plain run on another rank in turn."""
+    return [balancing_case(*case, owner=i % dist.get_world_size()) for i, case in enumerate(cases)]
 
 
 def test_balancing_equals_the_plain_computation(world):
