@@ -177,7 +177,9 @@ def test_cost_floor_is_below_the_none_and_selective_costs(name):
     """The search leaves a layout under AC "none" or "selective" unmeasured when no policy fits one of its pp ranks
     even at the cost floor (StageCostCache.floor, read off the "full" AC measurement). The floor's stated
     assumption, field by field, on stage kinds with and without edges, one and three blocks (dense and MoE mixed),
-    with tp, cp and ep, at microbatches of one and two sequences; parameters, buffers and masks equal."""
+    with tp, cp and ep, at microbatches of one and two sequences and of four (extrapolated); parameters, buffers and
+    masks equal. It counts the saves of every block of the first block's kind: at least 80 % of the measured
+    activations of a stage of such blocks."""
     from pp_tp.planner.moe import block_signatures
     from pp_tp.planner.stage_costs import StageCostCache
 
@@ -193,10 +195,11 @@ def test_cost_floor_is_below_the_none_and_selective_costs(name):
     kinds = [(e, b, h) for e in (False, True) for h in (False, True) for b in blocks] + [(True, (), True)]
     points = [(1, 1, 1), (2, 1, 2)] + ([(1, 2, 1)] if name == "moe" else [])  # (tp, ep, cp)
     same = ("local", "tp_local", "unit_tp_local", "buffer_bytes", "held_bytes")
-    checked = 0
-    for (tp, ep, cp), kind, mb, ac in itertools.product(points, kinds, (1, 2), ("none", "selective")):
+    ratios = []
+    for (tp, ep, cp), kind, mb, ac in itertools.product(points, kinds, (1, 2, 4), ("none", "selective")):
         floor, cost = cache.floor(tp, ac, ep, cp, kind, 2, mb), cache.cost(tp, ac, ep, cp, kind, 2, mb)
         assert all(getattr(floor, k) == getattr(cost, k) for k in same), (tp, ep, cp, kind, mb, ac)
         assert floor.act_bytes <= cost.act_bytes and floor.transient_bytes <= cost.transient_bytes
-        checked += floor.act_bytes > 0
-    assert checked == len(points) * len(kinds) * 4  # no floor is trivially zero
+        if set(kind[1]) <= {sigs[0]}:  # blocks of another kind count nothing in the floor
+            ratios.append(floor.act_bytes / cost.act_bytes)
+    assert len(ratios) == len(points) * (len(kinds) - 4 * (len(sigs) > 1)) * 6 and min(ratios) >= 0.8, min(ratios)
