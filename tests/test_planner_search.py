@@ -203,3 +203,24 @@ def test_cost_floor_is_below_the_none_and_selective_costs(name):
         if set(kind[1]) <= {sigs[0]}:  # blocks of another kind count nothing in the floor
             ratios.append(floor.act_bytes / cost.act_bytes)
     assert len(ratios) == len(points) * (len(kinds) - 4 * (len(sigs) > 1)) * 6 and min(ratios) >= 0.8, min(ratios)
+
+
+def test_walk_cache_is_shared_only_by_layouts_that_walk_alike():
+    """LayoutEvaluator._walked keys a rank's walks by schedule, pp rank and stage sizes (DP-gathered): a layout that
+    differs only in dp_replicate x dp_shard reads the first one's walks, and every walk the search settles a rank
+    with equals that rank's own walk_step (also for a layout of other sizes, which must not share them)."""
+    from pp_tp.planner.walk import walk_step
+
+    cfg = config_from_dict(JOB, world_size=WORLD)
+    model = build_model(cfg.model, "meta")
+    evaluator = LayoutEvaluator(cfg, WORLD, model, layout_for(model))
+    base = dict(pp=2, tp=1, schedule="1F1B", stages_per_rank=1, microbatches=4, activation_checkpoint="full")
+    keys = []
+    for kw in ({"dp_shard": 6}, {"dp_replicate": 2, "dp_shard": 3}, {"tp": 2, "dp_shard": 3}):
+        lay = evaluator.evaluate(_auto(cfg, {**base, **kw}, 1.0))
+        actions = evaluator.outline(lay.pcfg).actions
+        for rank, walk in zip(lay.ranks, lay.walks):
+            assert walk == walk_step(actions[rank.pp_rank], rank.sizes, rank.policy, lay.pcfg.microbatches)
+        keys.append(set(evaluator._walks))
+    assert keys[0] == keys[1] and len(keys[0]) == 2  # dp_replicate x dp_shard: the same two ranks' walks reused
+    assert len(keys[2] - keys[1]) == 2  # other stage sizes (tp 2): walked anew

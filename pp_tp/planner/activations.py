@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from pp_tp.base._torch import TorchDispatchMode, local_tensor, storage_id, tree_flatten
+from pp_tp.base._torch import TorchDispatchMode, local_tensor, storage_id
 from pp_tp.config import ParallelConfig
 from pp_tp.parallel.activation_checkpoint import is_checkpointed
 from pp_tp.parallel.context_parallel import ContextParallel
@@ -24,7 +24,14 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage:
 
 
 def _keys(tree: Any) -> set[int]:
-    return {storage_id(_storage(t)) for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)}
+    """Storage ids of the tensors in an op's arguments or outputs (tuples, lists and dicts of them)."""
+    if isinstance(tree, torch.Tensor):
+        return {storage_id(_storage(tree))}
+    if isinstance(tree, (tuple, list)):
+        return set().union(*map(_keys, tree)) if tree else set()
+    if isinstance(tree, dict):
+        return _keys(list(tree.values()))
+    return set()
 
 
 class _Held:
