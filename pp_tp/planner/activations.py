@@ -143,6 +143,7 @@ class Saved:
     act: int
     recompute: int = 0
     fresh: tuple[int, int, int] = (0, 0, 0)
+    first_block: int = 0  # the most held by the end of the stage's first block (what that block alone holds)
 
 
 def _attention(block: nn.Module, name: str) -> nn.Module | None:
@@ -205,6 +206,8 @@ def stage_activation_bytes(
         m.register_forward_pre_hook(lambda m, a, k: calls.append((m, a, k)), with_kwargs=True, prepend=True)
         for m in checkpointed
     ]
+    ends: list[int] = []
+    hooks += [b.register_forward_hook(lambda *_: ends.append(saved.peak)) for b in stage.block_modules()[:1]]
     with SavedActivations(stage) as saved:
         out = stage(x, **positions)
         if stage.is_last:
@@ -215,4 +218,4 @@ def stage_activation_bytes(
     for h in hooks:
         h.remove()
     again = _recompute(stage, *calls[0]) if calls else Saved(0)
-    return Saved(saved.peak, again.recompute, again.fresh)
+    return Saved(saved.peak, again.recompute, again.fresh, ends[0] if ends else 0)

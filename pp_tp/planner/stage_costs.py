@@ -34,7 +34,7 @@ from pp_tp.config import JobConfig
 from pp_tp.config.fsdp_policy import FsdpPolicy
 from pp_tp.models.factory import build_model
 from pp_tp.parallel.mesh import make_mesh
-from pp_tp.planner.activations import stage_activation_bytes
+from pp_tp.planner.activations import Saved, stage_activation_bytes
 from pp_tp.planner.context import held_mask_bytes
 from pp_tp.planner.fake_world import fake_world
 from pp_tp.planner.memory import StageCost, boundary_extras, is_expert, tp_local_numel, tp_local_shape
@@ -76,6 +76,18 @@ class Measured:
     def unit(self) -> int:
         """The largest FSDP unit's TP-local elements (a block, or the stage's own parameters)."""
         return max([*self.blocks, self.rest])
+
+
+def _measured(params: list, blocks: list, one: Saved, two: Saved, held: int, first: bool = False) -> Measured:
+    """A probe's Measured from its parameters, blocks and Saved at microbatches of one and two sequences (`first`:
+    a stage of its first block alone, read at that block's end)."""
+    sizes = tuple(sum(tp_local_numel(p) for p in b.parameters()) for b in blocks)
+    total = sum(tp_local_numel(p) for p in params)
+    act1, act2 = (one.first_block, two.first_block) if first else (one.act, two.act)
+    return Measured(
+        Counter(_shape(p) for p in params if not is_expert(p)), Counter(_shape(p) for p in params if is_expert(p)),
+        sizes, total - sum(sizes), act1, act2, one.recompute, two.recompute, held, one.fresh, two.fresh,
+    )  # fmt: skip
 
 
 def _sharded(shapes: Counter, n: int) -> int:
@@ -135,22 +147,25 @@ class StageCostCache:
             warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
             mesh = make_mesh("cpu", pcfg, ep * cp * tp)
             fake = FakeTensorMode(allow_non_fake_inputs=True)
-            for probe in probes:
+            # a lone first block is read off its pair's forward at that block's end, not built apart
+            alone = {(False, p[1][:1], False) for p in probes if not p[0] and not p[2] and len(p[1]) == 2}
+            alone &= set(probes)
+            for probe in (p for p in probes if p not in alone):
                 model = build_model(self._small, "meta")  # the passes change modules in place
                 # checked per model: an HF layout knows its own model's blocks (their layer types by identity)
                 checked = checked_job(model, self.cfg, pcfg, mesh)
                 fsdp = FsdpPolicy.for_rank(checked.parallel, 0)
                 stage = build_stage(model, checked, self._spec(probe), mesh, fsdp)
-                shapes = Counter(_shape(p) for p in stage.parameters() if not is_expert(p))
-                experts = Counter(_shape(p) for p in stage.parameters() if is_expert(p))
-                blocks = [sum(tp_local_numel(p) for p in b.parameters()) for b in stage.block_modules()]
-                total = sum(tp_local_numel(p) for p in stage.parameters())
                 with fake, balanced_routing():
                     one, two = (stage_activation_bytes(stage, mesh, checked.parallel, mb, seq, dim) for mb in (1, 2))
-                self._measured[(tp, ac, ep, cp, probe)] = Measured(
-                    shapes, experts, tuple(blocks), total - sum(blocks), one.act, two.act, one.recompute,
-                    two.recompute, held_mask_bytes(stage), one.fresh, two.fresh,
-                )  # fmt: skip
+                held, blocks = held_mask_bytes(stage), stage.block_modules()
+                self._measured[(tp, ac, ep, cp, probe)] = _measured(list(stage.parameters()), blocks, one, two, held)
+                if (False, probe[1][:1], False) in alone and len(probe[1]) == 2:
+                    second = {id(p) for p in blocks[1].parameters()}
+                    params = [p for p in stage.parameters() if id(p) not in second]
+                    self._measured[(tp, ac, ep, cp, (False, probe[1][:1], False))] = _measured(
+                        params, blocks[:1], one, two, held, first=True
+                    )
 
     def _get(self, tp: int, ac: str, ep: int, cp: int, probes: list[Probe]) -> list[Measured]:
         missing = [k for k in dict.fromkeys(probes) if (tp, ac, ep, cp, k) not in self._measured]
