@@ -224,3 +224,26 @@ def test_walk_cache_is_shared_only_by_layouts_that_walk_alike():
         keys.append(set(evaluator._walks))
     assert keys[0] == keys[1] and len(keys[0]) == 2  # dp_replicate x dp_shard: the same two ranks' walks reused
     assert len(keys[2] - keys[1]) == 2  # other stage sizes (tp 2): walked anew
+
+
+@pytest.mark.parametrize("name", ["dense", "moe", "hf"])
+def test_a_lone_first_block_read_off_its_pair_equals_its_own_measurement(name):
+    """StageCostCache measures a stage of its first block alone inside the (first block, further block) pair, at the
+    first block's end (activations.Saved.first_block): every field equals building and running it alone."""
+    from pp_tp.planner.stage_costs import StageCostCache
+
+    d, world, point = {"dense": (JOB, WORLD, (2, "full", 1, 2)), "moe": (MOE_JOB, 8, (1, "none", 2, 1))}.get(
+        name, (None, 4, (1, "selective", 1, 2))
+    )  # point: (tp, AC, ep, cp)
+    if name == "hf":
+        d = {**JOB, "model": {"hf_path": "toml_configs/hf_tiny"}, "training": {"batch_size": 8, "seq_len": 32}}
+    cfg = config_from_dict(d, world_size=world)
+    model = build_model(cfg.model, "meta")
+    apart, together = (StageCostCache(cfg, model, layout_for(model)) for _ in range(2))
+    first = apart._first
+    other = next(k for keys in apart._keys.values() for k in keys if k != first)
+    single, pair = (False, (first,), False), (False, (first, other), False)
+    apart._measure(*point, [single])
+    together._measure(*point, [pair, single])
+    assert apart._measured[(*point, single)] == together._measured[(*point, single)]
+    assert apart._measured[(*point, single)].act > 0
