@@ -93,6 +93,16 @@ def load_csv_schedule(schedule: PipelineScheduleRuntime, path: str) -> None:
     schedule._load_csv(path)
 
 
+def compute_order(cls: type, stages: Any, microbatches: int) -> dict[int, list]:
+    """A torch schedule class's `pipeline_order` (per-rank compute actions), without the lowering to
+    communication actions its constructor also runs (`_prepare_schedule_with_comms`: only a runtime step reads it,
+    and it leaves `pipeline_order` as it is). Public replacement: the constructor, which lowers too."""
+    from unittest import mock
+
+    with mock.patch.object(cls, "_prepare_schedule_with_comms", lambda *a, **k: None):
+        return cls(stages, microbatches).pipeline_order
+
+
 def fake_store() -> Any:
     """A store for torch's `fake` process-group backend (registers the backend on import).
     Public replacement: none; it lives in torch.testing._internal."""

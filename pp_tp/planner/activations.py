@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import weakref
-from typing import Self
+from dataclasses import dataclass
+from typing import Any, Self
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from pp_tp.base._torch import local_tensor, storage_id
+from pp_tp.base._torch import TorchDispatchMode, local_tensor, storage_id
 from pp_tp.config import ParallelConfig
 from pp_tp.parallel.activation_checkpoint import is_checkpointed
 from pp_tp.parallel.context_parallel import ContextParallel
@@ -20,6 +21,17 @@ from pp_tp.stages.stage_module import StageModule
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage:
     return local_tensor(t).untyped_storage()
+
+
+def _keys(tree: Any) -> set[int]:
+    """Storage ids of the tensors in an op's arguments or outputs (tuples, lists and dicts of them)."""
+    if isinstance(tree, torch.Tensor):
+        return {storage_id(_storage(tree))}
+    if isinstance(tree, (tuple, list)):
+        return set().union(*map(_keys, tree)) if tree else set()
+    if isinstance(tree, dict):
+        return _keys(list(tree.values()))
+    return set()
 
 
 class _Held:
@@ -47,6 +59,8 @@ class SavedActivations:
         self.live = 0
         self.peak = 0
         self._refs: dict[int, list[int]] = {}  # storage id -> [bytes, holders alive]
+        self.inside = False  # set by the caller while a module of interest runs (stage_activation_bytes)
+        self.saved_by: tuple[set[int], set[int]] = (set(), set())  # storage ids saved outside it, inside it
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda held: held.tensor)
         self._handles: list = []
 
@@ -54,6 +68,7 @@ class SavedActivations:
         """Counts `t`'s storage until `holder` is garbage-collected."""
         storage = _storage(t)
         key = storage_id(storage)
+        self.saved_by[self.inside].add(key)
         if key in self._refs:
             self._refs[key][1] += 1
         elif key not in {storage_id(_storage(x)) for x in (*self.module.parameters(), *self.module.buffers())}:
@@ -73,6 +88,12 @@ class SavedActivations:
         for a in args:
             if isinstance(a, torch.Tensor):
                 self._track(a, a)
+
+    def held(self, keys: set[int], where: int | None = None) -> int:
+        """Bytes of the storages among `keys` held now; `where` 0 or 1: only those saved outside or inside the
+        module of interest."""
+        kept = keys if where is None else keys & self.saved_by[where]
+        return sum(ref[0] for k, ref in self._refs.items() if k in kept)
 
     def _release(self, key: int) -> None:
         ref = self._refs[key]
@@ -94,11 +115,76 @@ class SavedActivations:
             h.remove()
 
 
+class _Allocated(TorchDispatchMode):
+    """Storages that ops allocate while it is active: an output's storage that none of the op's inputs had (a view
+    or an in-place op allocates nothing). Home-made: torch has no public record of what a forward allocated."""
+
+    def __init__(self):
+        super().__init__()
+        self.keys: set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.keys |= _keys(out) - _keys((args, kwargs))
+        return out
+
+
+@dataclass(frozen=True)
+class Saved:
+    """What one microbatch through a stage keeps for backward (`act`), and what the backward's recompute of its
+    first checkpointed module saves on top (`recompute`).
+
+    When that module is a whole block (full AC), `fresh` splits what its recompute still holds at its end by
+    storages the block allocated itself (not its inputs, nor tables or masks other blocks share): (all of them,
+    those saved by an op outside the block's attention module, those saved by one inside it). Every block of its
+    kind allocates and saves as much when it runs without checkpointing, so these bound from below what each
+    block adds under AC "none" and "selective" (pp_tp.planner.stage_costs.StageCostCache.floor)."""
+
+    act: int
+    recompute: int = 0
+    fresh: tuple[int, int, int] = (0, 0, 0)
+    first_block: int = 0  # the most held by the end of the stage's first block (what that block alone holds)
+
+
+def _attention(block: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return block.get_submodule(name)
+    except AttributeError:
+        return None  # no such module: nothing is saved "inside" it
+
+
+def _recompute(stage: StageModule, module: nn.Module, args: tuple, kwargs: dict) -> Saved:
+    """Runs the checkpointed `module`'s own forward again, as backward does, and what it saves (Saved, act 0)."""
+    owner = next((b for b in stage.block_modules() if any(m is module for m in b.modules())), None)
+    fsdp = owner if isinstance(owner, FSDPModule) else None
+    attention = _attention(module, stage.layout.attention) if module is owner else None
+    checkpointed_forward, module.forward = module.forward, module.forward.__wrapped__
+    hooks = []
+    try:
+        if fsdp is not None:
+            fsdp.unshard()  # the block's parameters are gathered in backward, as here
+        with SavedActivations(stage) as again, _Allocated() as allocated:
+            if attention is not None:
+                hooks = [
+                    attention.register_forward_pre_hook(lambda *_: setattr(again, "inside", True)),
+                    attention.register_forward_hook(lambda *_: setattr(again, "inside", False)),
+                ]
+            held = module(*args, **kwargs)  # noqa: F841  (kept: what it saved is counted while it lives)
+            fresh = tuple(again.held(allocated.keys, where) for where in (None, 0, 1)) if module is owner else None
+    finally:
+        module.forward = checkpointed_forward
+        for h in hooks:
+            h.remove()
+        if fsdp is not None:
+            fsdp.reshard()
+    return Saved(0, again.peak, fresh or (0, 0, 0))
+
+
 def stage_activation_bytes(
     stage: StageModule, mesh: DeviceMesh, pcfg: ParallelConfig, microbatch: int, seq: int, dim: int
-) -> tuple[int, int]:
-    """(saved activations of one microbatch of `seq`-token sequences through `stage` (and its loss, on the last
-    stage), what the backward's recompute of one checkpointed module saves on top), on fake tensors.
+) -> Saved:
+    """Saved activations of one microbatch of `seq`-token sequences through `stage` (and its loss, on the last
+    stage), and what the backward's recompute of one checkpointed module saves on top (Saved), on fake tensors.
 
     Under context parallel the stage runs as a cp rank runs it: its seq / cp head-tail tokens and their position
     ids; the fake process group's K/V all-gather returns the whole sequence's keys and values (shapes only), so
@@ -120,6 +206,8 @@ def stage_activation_bytes(
         m.register_forward_pre_hook(lambda m, a, k: calls.append((m, a, k)), with_kwargs=True, prepend=True)
         for m in checkpointed
     ]
+    ends: list[int] = []
+    hooks += [b.register_forward_hook(lambda *_: ends.append(saved.peak)) for b in stage.block_modules()[:1]]
     with SavedActivations(stage) as saved:
         out = stage(x, **positions)
         if stage.is_last:
@@ -129,20 +217,5 @@ def stage_activation_bytes(
                 loss(out, labels)
     for h in hooks:
         h.remove()
-    recompute = 0
-    if calls:  # backward runs the module's own forward again, saving what it saves without checkpointing
-        module, args, kwargs = calls[0]
-        owner = next((b for b in stage.block_modules() if any(m is module for m in b.modules())), None)
-        fsdp = owner if isinstance(owner, FSDPModule) else None
-        checkpointed_forward, module.forward = module.forward, module.forward.__wrapped__
-        try:
-            if fsdp is not None:
-                fsdp.unshard()  # the block's parameters are gathered in backward, as here
-            with SavedActivations(stage) as again:
-                module(*args, **kwargs)
-        finally:
-            module.forward = checkpointed_forward
-            if fsdp is not None:
-                fsdp.reshard()
-        recompute = again.peak
-    return saved.peak, recompute
+    again = _recompute(stage, *calls[0]) if calls else Saved(0)
+    return Saved(saved.peak, again.recompute, again.fresh, ends[0] if ends else 0)

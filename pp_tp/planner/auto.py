@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pp_tp.config import ParallelConfig
 from pp_tp.config.fsdp_policy import FsdpPolicy, per_rank
 from pp_tp.errors import ConfigError
-from pp_tp.planner.memory import RankMemory
+from pp_tp.planner.memory import RankMemory, peak_held_bytes
 from pp_tp.planner.walk import Walk, walk_step
 from pp_tp.schedules.registry import get_schedule_spec, is_csv_schedule
 
@@ -54,8 +54,13 @@ def choose(
     Peaks are walked in order of bytes moved, stopping at the first option moving more than one that fits.
     `counts(policy)` gives the walk whose collective counts to use: they depend on the action order and the
     policy only, so the layout search caches them across layouts; by default the rank's own walk. `walks`, when
-    given, keeps the walks this rank's peaks were read from (the search settles the rank with the picked one)."""
+    given, keeps the walks this rank's peaks were read from (the search settles the rank with the picked one).
+    A rank whose activations alone, at the schedule's moment of most held (peak_held_bytes: every walk holds
+    them then), leave no room is refused before any walk."""
     walks = {} if walks is None else walks
+    budget = pcfg.memory_budget_gib * GIB
+    if rank.peak(peak_held_bytes(actions, rank.act_bytes_per_microbatch)) > budget:
+        return None  # every policy's walk holds at least these activations at that moment: none fits
 
     def walk(policy: FsdpPolicy) -> Walk:
         if policy not in walks:
@@ -70,7 +75,7 @@ def choose(
         if best is not None and moved > best[0]:
             break
         peak = rank.peak(walk(policy).peak)
-        if peak <= pcfg.memory_budget_gib * GIB and (best is None or peak < best[1]):
+        if peak <= budget and (best is None or peak < best[1]):
             best = (moved, peak, pair)
     return best[2] if best else None
 

@@ -120,10 +120,10 @@ def stage_cost(
     # one mode for all stages: shared modules (rotary tables) stay in it
     with fake, balanced_routing(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # the output view is never modified
-        acts, recompute = stage_activation_bytes(stage, mesh, pcfg, microbatch, seq, dims.dim)
+        saved = stage_activation_bytes(stage, mesh, pcfg, microbatch, seq, dims.dim)
     buffers, transient = boundary_extras(stage.is_first, stage.is_last, pcfg, microbatch, seq, dims)
     unit = max([*blocks, tp_local - sum(blocks)])
-    return StageCost(local, tp_local, acts, unit, buffers, transient + recompute, held_mask_bytes(stage))
+    return StageCost(local, tp_local, saved.act, unit, buffers, transient + saved.recompute, held_mask_bytes(stage))
 
 
 def boundary_extras(

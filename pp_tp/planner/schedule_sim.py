@@ -21,7 +21,7 @@ from torch.distributed.pipelining.schedules import (
     OVERLAP_F_B,
 )
 
-from pp_tp.base._torch import Action
+from pp_tp.base._torch import Action, compute_order
 from pp_tp.schedules.registry import get_schedule_spec, is_csv_schedule, read_csv_schedule
 
 # Relative compute cost of each action in the simulation: a full backward is two forwards.
@@ -73,7 +73,7 @@ def schedule_actions(schedule: str, pp: int, microbatches: int, stages_per_rank:
         stage = mock.create_autospec(PipelineStage, instance=True)
         stage.group_rank, stage.group_size, stage.submod = 0, pp, None
         stage.num_stages = pp * stages_per_rank
-        order = spec.cls([stage] * stages_per_rank if spec.multi_stage else stage, microbatches).pipeline_order
+        order = compute_order(spec.cls, [stage] * stages_per_rank if spec.multi_stage else stage, microbatches)
     return [[a for a in order[r] if a is not None and a.is_compute_op] for r in range(pp)]
 
 

@@ -34,7 +34,7 @@ from pp_tp.config import JobConfig
 from pp_tp.config.fsdp_policy import FsdpPolicy
 from pp_tp.models.factory import build_model
 from pp_tp.parallel.mesh import make_mesh
-from pp_tp.planner.activations import stage_activation_bytes
+from pp_tp.planner.activations import Saved, stage_activation_bytes
 from pp_tp.planner.context import held_mask_bytes
 from pp_tp.planner.fake_world import fake_world
 from pp_tp.planner.memory import StageCost, boundary_extras, is_expert, tp_local_numel, tp_local_shape
@@ -61,6 +61,8 @@ class Measured:
     recompute: int = 0  # what the backward's recompute of one checkpointed module saves, at one and two
     recompute2: int = 0
     held: int = 0  # the masks context parallel keeps cached (pp_tp.planner.context.held_mask_bytes)
+    fresh: tuple[int, int, int] = (0, 0, 0)  # under full AC, its first block's own saves (activations.Saved)
+    fresh2: tuple[int, int, int] = (0, 0, 0)
 
     def local(self, dp_shard: int, ep: int) -> int:
         """Elements of the largest (first) FSDP shard."""
@@ -74,6 +76,18 @@ class Measured:
     def unit(self) -> int:
         """The largest FSDP unit's TP-local elements (a block, or the stage's own parameters)."""
         return max([*self.blocks, self.rest])
+
+
+def _measured(params: list, blocks: list, one: Saved, two: Saved, held: int, first: bool = False) -> Measured:
+    """A probe's Measured from its parameters, blocks and Saved at microbatches of one and two sequences (`first`:
+    a stage of its first block alone, read at that block's end)."""
+    sizes = tuple(sum(tp_local_numel(p) for p in b.parameters()) for b in blocks)
+    total = sum(tp_local_numel(p) for p in params)
+    act1, act2 = (one.first_block, two.first_block) if first else (one.act, two.act)
+    return Measured(
+        Counter(_shape(p) for p in params if not is_expert(p)), Counter(_shape(p) for p in params if is_expert(p)),
+        sizes, total - sum(sizes), act1, act2, one.recompute, two.recompute, held, one.fresh, two.fresh,
+    )  # fmt: skip
 
 
 def _sharded(shapes: Counter, n: int) -> int:
@@ -133,23 +147,25 @@ class StageCostCache:
             warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
             mesh = make_mesh("cpu", pcfg, ep * cp * tp)
             fake = FakeTensorMode(allow_non_fake_inputs=True)
-            for probe in probes:
+            # a lone first block is read off its pair's forward at that block's end, not built apart
+            alone = {(False, p[1][:1], False) for p in probes if not p[0] and not p[2] and len(p[1]) == 2}
+            alone &= set(probes)
+            for probe in (p for p in probes if p not in alone):
                 model = build_model(self._small, "meta")  # the passes change modules in place
                 # checked per model: an HF layout knows its own model's blocks (their layer types by identity)
                 checked = checked_job(model, self.cfg, pcfg, mesh)
                 fsdp = FsdpPolicy.for_rank(checked.parallel, 0)
                 stage = build_stage(model, checked, self._spec(probe), mesh, fsdp)
-                shapes = Counter(_shape(p) for p in stage.parameters() if not is_expert(p))
-                experts = Counter(_shape(p) for p in stage.parameters() if is_expert(p))
-                blocks = [sum(tp_local_numel(p) for p in b.parameters()) for b in stage.block_modules()]
-                total = sum(tp_local_numel(p) for p in stage.parameters())
                 with fake, balanced_routing():
-                    (act1, re1), (act2, re2) = (
-                        stage_activation_bytes(stage, mesh, checked.parallel, mb, seq, dim) for mb in (1, 2)
+                    one, two = (stage_activation_bytes(stage, mesh, checked.parallel, mb, seq, dim) for mb in (1, 2))
+                held, blocks = held_mask_bytes(stage), stage.block_modules()
+                self._measured[(tp, ac, ep, cp, probe)] = _measured(list(stage.parameters()), blocks, one, two, held)
+                if (False, probe[1][:1], False) in alone and len(probe[1]) == 2:
+                    second = {id(p) for p in blocks[1].parameters()}
+                    params = [p for p in stage.parameters() if id(p) not in second]
+                    self._measured[(tp, ac, ep, cp, (False, probe[1][:1], False))] = _measured(
+                        params, blocks[:1], one, two, held, first=True
                     )
-                self._measured[(tp, ac, ep, cp, probe)] = Measured(
-                    shapes, experts, tuple(blocks), total - sum(blocks), act1, act2, re1, re2, held_mask_bytes(stage)
-                )
 
     def _get(self, tp: int, ac: str, ep: int, cp: int, probes: list[Probe]) -> list[Measured]:
         missing = [k for k in dict.fromkeys(probes) if (tp, ac, ep, cp, k) not in self._measured]
@@ -193,8 +209,7 @@ class StageCostCache:
             blocks = tuple(b for part in parts for b in part.blocks) + tuple(two.blocks[-1] for two in rest[::2])
             edges = sum(part.rest for part in parts)
             probe = Measured(+shapes, +experts, blocks, edges, act1, act2)
-            act = act1 + (microbatch - 1) * (act2 - act1)
-            recompute = recompute1 + (microbatch - 1) * (recompute2 - recompute1)
+            act, recompute = _at(act1, act2, microbatch), _at(recompute1, recompute2, microbatch)
             pcfg = dataclasses.replace(self.cfg.parallel, tp=tp, cp=cp)
             buffers, transient = boundary_extras(embed, head, pcfg, microbatch, self.cfg.training.seq_len, self.dims)
             self._costs[key] = StageCost(
@@ -210,17 +225,30 @@ class StageCostCache:
 
     def floor(self, tp: int, ac: str, ep: int, cp: int, kind: Kind, dp_shard: int, microbatch: int) -> StageCost:
         """A StageCost no larger in any field than this stage kind's under AC `ac` ("none" or "selective"), from the
-        "full" AC one. Assumed (BENCHMARKS.md "Planner search time at 1024 ranks", checked by
+        "full" AC measurement alone. Assumed (BENCHMARKS.md "Planner search time at 1024 ranks", checked by
         tests/test_planner_search.py): parameters, buffers and cp's masks do not depend on AC; checkpointing fewer
-        modules saves at least what full AC saves (a checkpointed block keeps its input, an unchecked one what its
-        ops save, an fp32 norm's copy of that input among them); under "none" the stage saves at least what full AC's
-        recompute of its first block saves (not n blocks times that: blocks share masks and rotary tables); no
-        recompute under "none", some under "selective"."""
+        modules saves at least what full AC saves; the edges save the same under any AC (a stage of no block has
+        nothing to checkpoint); and each block of the first block's kind saves at least the storages it allocates
+        and still holds at its end (activations.Saved.fresh, read off full AC's recompute of that block, which runs
+        after the forward, so tables and masks the blocks share are not its own): all of them under "none", those
+        saved outside attention under "selective", whose recompute saves at least those saved inside it."""
         full = self.cost(tp, "full", ep, cp, kind, dp_shard, microbatch)
         embed, sigs, head = kind
         pcfg = dataclasses.replace(self.cfg.parallel, tp=tp, cp=cp)
         _, transient = boundary_extras(embed, head, pcfg, microbatch, self.cfg.training.seq_len, self.dims)
-        act = full.act_bytes
-        if ac == "none" and sigs:
-            act = max(act, full.transient_bytes - transient)
-        return dataclasses.replace(full, act_bytes=act, transient_bytes=transient)
+        act, recompute = full.act_bytes, 0
+        if sigs:
+            *edges, block = self._get(tp, "full", ep, cp, self._probes(kind)[0])
+            at = [_at(one, two, microbatch) for one, two in zip(block.fresh, block.fresh2)]
+            own = sum(_at(e.act, e.act2, microbatch) for e in edges) + sigs.count(sigs[0]) * at[ac == "selective"]
+            act = max(act, own)
+            if ac == "none":
+                act = max(act, full.transient_bytes - transient)  # its first block's recompute: what it saves
+            else:
+                recompute = at[2]
+        return dataclasses.replace(full, act_bytes=act, transient_bytes=transient + recompute)
+
+
+def _at(one: int, two: int, microbatch: int) -> int:
+    """A size measured at microbatches of one and two sequences, at `microbatch` (affine in it)."""
+    return one + (microbatch - 1) * (two - one)
