@@ -55,7 +55,7 @@ _PRELOAD = ["torch", "torch.distributed.pipelining", "torch.distributed.tensor",
 # Every gloo process group keeps three threads, one waking about every 10 ms even when idle, and the cases that
 # build meshes of their own leave their groups behind: after tests/test_[a-l]*.py a rank held 483 threads (about
 # 160 groups) and the same case took 2x the CPU it took in a fresh world (0.39 -> 0.80 s).
-RECYCLE_THREADS = 120
+RECYCLE_THREADS = 60
 # How long ranks asked to leave get before they are killed, shared by all worlds closing together.
 LEAVE_GRACE_S = 2.0
 
