@@ -12,6 +12,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from harness import World, close_all  # noqa: E402
 
 _worlds: dict[int, World] = {}
+# A session world is ended once its ranks hold more OS threads than this after a case (harness.World says why); 120
+# first, then 60: the README's test command took 540.6 s and 529.4 s (BENCHMARKS.md, "Suite time").
+RECYCLE_THREADS = 60
 
 
 def get_world(n: int) -> World:
@@ -20,7 +23,7 @@ def get_world(n: int) -> World:
         if size != n:
             w.pause()
     if n not in _worlds:
-        _worlds[n] = World(n)
+        _worlds[n] = World(n, RECYCLE_THREADS)
     return _worlds[n]
 
 

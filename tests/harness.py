@@ -51,11 +51,6 @@ _PRELOAD = ["torch", "torch.distributed.pipelining", "torch.distributed.tensor",
     if importlib.util.find_spec("transformers")
     else []
 )
-# A world whose ranks hold more OS threads than this after a case is ended, and the next case starts a fresh one.
-# Every gloo process group keeps three threads, one waking about every 10 ms even when idle, and the cases that
-# build meshes of their own leave their groups behind: after tests/test_[a-l]*.py a rank held 483 threads (about
-# 160 groups) and the same case took 2x the CPU it took in a fresh world (0.39 -> 0.80 s).
-RECYCLE_THREADS = 60
 # How long ranks asked to leave get before they are killed, shared by all worlds closing together.
 LEAVE_GRACE_S = 2.0
 
@@ -104,10 +99,17 @@ def _threads() -> int:
 
 
 class World:
-    """N gloo ranks kept alive across cases. `run(fn, ...)` returns the list of per-rank results."""
+    """N gloo ranks kept alive across cases. `run(fn, ...)` returns the list of per-rank results.
 
-    def __init__(self, world_size: int):
+    `recycle_threads`: after a case whose ranks hold more OS threads than that, the world ends and the next case
+    starts a fresh one (None: never; a caller keeping state in its ranks between cases, as bench/ does, keeps None).
+    Every gloo process group keeps three threads, one waking about every 10 ms even when idle, and cases that build
+    meshes of their own leave their groups behind: after tests/test_[a-l]*.py a rank of the session's world held 483
+    threads (about 160 groups) and the same case took 2x the CPU it took in a fresh world (0.39 -> 0.80 s)."""
+
+    def __init__(self, world_size: int, recycle_threads: int | None = None):
         self.world_size = world_size
+        self.recycle_threads = recycle_threads
         self._procs: list = []
         self._store: dist.TCPStore | None = None
         self._case = 0
@@ -165,7 +167,7 @@ class World:
             ]
             msg += [f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())]
             raise RankError("\n".join(msg))
-        if most > RECYCLE_THREADS:
+        if self.recycle_threads is not None and most > self.recycle_threads:
             self.close()  # the next case starts a fresh world
         return [out[r] for r in range(self.world_size)]
 
