@@ -110,7 +110,7 @@ def balancing_case(name: str, kw: dict, coef: float, rate: float, steps: int = 2
         plain = [_plain_run(name, state, (ids, labels), dp_size(mesh), pcfg.microbatches, coef, rate, steps)]
     dist.broadcast_object_list(plain, src=owner)
     want = plain[0]
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # every rank's generator alike again at the build (the owner drew for its plain run)
     moe = pp_tp.MoEConfig(aux_loss_coef=coef, bias_update_rate=rate)
     pipe = pp_tp.build_pipeline(_model(name, "meta"), mesh, pcfg, state_dict=state, moe=moe)
     opt = pu.adamw()([p for part in pipe.model_parts for p in part.parameters()])
