@@ -247,3 +247,27 @@ def test_a_lone_first_block_read_off_its_pair_equals_its_own_measurement(name):
     together._measure(*point, [pair, single])
     assert apart._measured[(*point, single)] == together._measured[(*point, single)]
     assert apart._measured[(*point, single)].act > 0
+
+
+@pytest.mark.parametrize("name", ["dense", "moe", "hf"])
+def test_edges_at_a_larger_cp_follow_from_cp_2_as_measured(name):
+    """StageCostCache measures an edge stage (embedding and/or head and loss, no block) at cp 1 and 2 only and takes
+    larger cp degrees from cp 2 (the assumption stated in pp_tp.planner.stage_costs: a constant plus what grows with
+    a cp rank's tokens): every field equals building and running the edge stage at that cp."""
+    from pp_tp.planner.stage_costs import StageCostCache
+
+    d, world = {"dense": (JOB, WORLD), "moe": (MOE_JOB, 8)}.get(name, (None, 4))
+    if name == "hf":
+        d = {**JOB, "model": {"hf_path": "toml_configs/hf_tiny"}, "training": {"batch_size": 8, "seq_len": 32}}
+    cfg = config_from_dict(d, world_size=world)
+    model = build_model(cfg.model, "meta")
+    scaled, measured = (StageCostCache(cfg, model, layout_for(model)) for _ in range(2))
+    constants = []
+    for tp, ac, cp, edges in itertools.product((1, 2), ("none", "full"), (4, 8), [(True, (), True), (True, (), False)]):
+        edges = (edges[0], (), edges[2] if tp == 1 else not edges[2])  # tp 2: the embedding alone, the head alone
+        assert scaled._scaled(tp, ac, 1, cp, edges), (tp, ac, cp, edges)
+        measured._measure(tp, ac, 1, cp, [edges])
+        key = (tp, ac, 1, cp, edges)
+        assert scaled._measured[key] == measured._measured[key], key
+        constants.append(2 * scaled._measured[key].act - scaled._measured[key].act2)
+    assert min(constants) >= 0 and max(constants) > 0  # the loss's scalars: not in proportion to the tokens

@@ -16,7 +16,11 @@ microbatches of one and two sequences, and the rest follows:
 - the edges add to the blocks (assumed, stated in BENCHMARKS.md "Planner search time at 1024 ranks"): what the
   embedding and the head and loss save, and the parameters they hold, are the same with or without blocks beside
   them; a block saves its input whether the embedding or the previous stage made it. Measuring the edges apart
-  runs each block forward once per (tp, AC, ep, cp) instead of once per edge kind (4 for a pp > 1 plan).
+  runs each block forward once per (tp, AC, ep, cp) instead of once per edge kind (4 for a pp > 1 plan);
+- an edge stage saves a constant (the loss's scalars) plus what grows with the tokens of a cp rank (assumed,
+  BENCHMARKS.md as above): every other tensor its embedding, head and loss save holds the rank's mb x seq / cp
+  tokens (a cp rank's position ids too), so at cp > 2 it follows from the cp = 2 measurement at microbatches of
+  one and two sequences, and the edges are measured at cp 1 and 2 only, not at every cp degree.
 
 tests/test_planner_search.py checks the result equals the full dry run (pp_tp.planner.plan_job).
 """
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 from pp_tp.base._torch import FakeTensorMode
 from pp_tp.config import JobConfig
 from pp_tp.config.fsdp_policy import FsdpPolicy
+from pp_tp.errors import ConfigError
 from pp_tp.models.factory import build_model
 from pp_tp.parallel.mesh import make_mesh
 from pp_tp.planner.activations import Saved, stage_activation_bytes
@@ -169,9 +174,30 @@ class StageCostCache:
 
     def _get(self, tp: int, ac: str, ep: int, cp: int, probes: list[Probe]) -> list[Measured]:
         missing = [k for k in dict.fromkeys(probes) if (tp, ac, ep, cp, k) not in self._measured]
+        missing = [k for k in missing if k[1] or not self._scaled(tp, ac, ep, cp, k)]
         if missing:
             self._measure(tp, ac, ep, cp, missing)
         return [self._measured[(tp, ac, ep, cp, k)] for k in probes]
+
+    def _scaled(self, tp: int, ac: str, ep: int, cp: int, edges: Probe) -> bool:
+        """Stores the edge stage `edges` (no block) at cp > 2 from its cp = 2 measurement, and says whether it could:
+        an edge stage saves a constant (scalars) plus what grows with the tokens a cp rank holds, mb x seq / cp
+        (assumed, see the module docstring; parameters do not depend on cp, and an edge has no attention to cache
+        masks for). At cp = 2 the microbatches of one and two sequences give the two parts apart."""
+        if cp <= 2:
+            return False
+        try:
+            (two,) = self._get(tp, ac, ep, 2, [edges])
+        except ConfigError:
+            return False  # cp = 2 refused here: measure at cp itself
+        per_sequence = two.act2 - two.act  # at cp = 2
+        if two.held or two.recompute or (2 * per_sequence) % cp:
+            return False
+        constant, per_sequence = two.act - per_sequence, 2 * per_sequence // cp
+        self._measured[(tp, ac, ep, cp, edges)] = dataclasses.replace(
+            two, act=constant + per_sequence, act2=constant + 2 * per_sequence
+        )
+        return True
 
     def _probes(self, kind: Kind) -> tuple[list[Probe], list[tuple[Probe, Probe]]]:
         """The stage's parts measured alone: its edges (no block) and its first block, and per further block the
