@@ -43,91 +43,76 @@ class Walk:
     reduce_scatters: dict[int, int] = field(default_factory=dict)
 
 
-class _Flags(dict):
-    """Per-stage flags that keep the sum of the flagged stages' weights (a walk notes it at every action)."""
-
-    def __init__(self, weights: dict[int, int]):
-        super().__init__((s, False) for s in weights)
-        self.weights, self.total = weights, 0
-
-    def __setitem__(self, s: int, on: bool) -> None:
-        if on != self[s]:
-            self.total += self.weights[s] if on else -self.weights[s]
-        super().__setitem__(s, on)
-
-
-class _Rank:
-    def __init__(self, sizes: dict[int, StageBytes], policy: FsdpPolicy, microbatches: int):
-        self.sizes, self.m = sizes, microbatches
-        self.keep, self.every = not policy.reshards_params, policy.grad_reduce_every
-        self.acts = 0
-        self.gathered = _Flags({s: z.gathered for s, z in sizes.items()})
-        self.grads_held = _Flags({s: z.grads for s, z in sizes.items()})
-        self.backwards = {s: 0 for s in sizes}
-        self.out = Walk(all_gathers={s: 0 for s in sizes}, reduce_scatters={s: 0 for s in sizes})
-
-    def _held(self) -> tuple[int, int]:
-        return self.gathered.total, self.grads_held.total
-
-    def _note(self, extra_gathered: int = 0, extra_grads: int = 0) -> None:
-        gathered, grads = self._held()
-        gathered, grads = gathered + extra_gathered, grads + extra_grads
-        if self.acts + gathered + grads > self.out.peak:
-            self.out.peak = self.acts + gathered + grads
-            self.out.act, self.out.gathered, self.out.grads = self.acts, gathered, grads
-
-    def _gather(self, s: int) -> None:
-        if not self.gathered[s]:
-            self.out.all_gathers[s] += 1
-
-    def forward(self, s: int) -> None:
-        size, keep = self.sizes[s], self.keep
-        self._gather(s)
-        self.acts += size.act
-        self.gathered[s] = keep or self.gathered[s]
-        self._note(0 if self.gathered[s] else size.unit_gathered)
-        self.gathered[s] = keep
-
-    def backward(self, s: int, weight_only: bool = False) -> None:
-        size, keep, every = self.sizes[s], self.keep, self.every
-        if not weight_only:
-            self._gather(s)
-        self.backwards[s] += 1
-        n = self.backwards[s]
-        if every is None or (n % every and n < self.m):
-            self.gathered[s] = self.grads_held[s] = True  # torch's nosync backward: all gathered, grads kept
-            self._note()
-            if n == self.m:  # torch's REDUCE_GRAD at the step's end
-                self.out.reduce_scatters[s] += 1
-                self.grads_held[s] = False
-                self.gathered[s] = keep
-        elif weight_only:  # the whole stage's weight gradients, then reduced
-            self.grads_held[s] = False
-            self._note(0, size.grads)
-            self.out.reduce_scatters[s] += 1
-        else:  # unit by unit: gathered (unless kept) and reduced as its backward finishes
-            self.grads_held[s] = False
-            self.gathered[s] = keep
-            self._note(0 if keep else size.unit_gathered, size.unit_grads)
-            self.out.reduce_scatters[s] += 1
-        if n == self.m:
-            self.gathered[s] = keep  # REDUCE_GRAD reshards what the policy does not keep
-        self.acts -= size.act
-
-
 def walk_step(actions: list[Action], sizes: dict[int, StageBytes], policy: FsdpPolicy, microbatches: int) -> Walk:
     """Walks one rank's compute actions (F, B, I, W, overlapped F+B) through a step under the rank's FSDP
-    policy; see the module docstring."""
-    rank = _Rank(sizes, policy, microbatches)
+    policy; see the module docstring. One loop over plain locals: the layout search walks millions of actions."""
+    keep, every, m = not policy.reshards_params, policy.grad_reduce_every, microbatches
+    out = Walk(all_gathers={s: 0 for s in sizes}, reduce_scatters={s: 0 for s in sizes})
+    gathers, reduces = out.all_gathers, out.reduce_scatters
+    gathered = {s: False for s in sizes}  # the stage's parameters are all-gathered now
+    grads_held = {s: False for s in sizes}  # its unsharded gradients are kept now
+    backwards = {s: 0 for s in sizes}
+    acts = gathered_total = grads_total = peak = 0  # the flagged stages' sizes, summed as the flags change
+
+    def flag_gathered(s: int, on: bool) -> None:
+        nonlocal gathered_total
+        if on != gathered[s]:
+            gathered_total += sizes[s].gathered if on else -sizes[s].gathered
+            gathered[s] = on
+
+    def flag_grads(s: int, on: bool) -> None:
+        nonlocal grads_total
+        if on != grads_held[s]:
+            grads_total += sizes[s].grads if on else -sizes[s].grads
+            grads_held[s] = on
+
+    def note(extra_gathered: int, extra_grads: int) -> None:  # the peak so far, and what it was made of
+        nonlocal peak
+        g, r = gathered_total + extra_gathered, grads_total + extra_grads
+        if acts + g + r > peak:
+            peak = acts + g + r
+            out.act, out.gathered, out.grads = acts, g, r
+
     for action in actions:
         for a in action.sub_actions if action.computation_type == OVERLAP_F_B else (action,):
-            if a.computation_type == FORWARD:
-                rank.forward(a.stage_index)
-            elif a.computation_type == FULL_BACKWARD:
-                rank.backward(a.stage_index)
-            elif a.computation_type == BACKWARD_INPUT:
-                rank._gather(a.stage_index)
-                rank.gathered[a.stage_index] = True
-            elif a.computation_type == BACKWARD_WEIGHT:
-                rank.backward(a.stage_index, weight_only=True)
-    return rank.out
+            kind, s = a.computation_type, a.stage_index
+            if kind == FORWARD:  # gathered for its forward; resharded after unless the policy keeps it
+                size = sizes[s]
+                if not gathered[s]:
+                    gathers[s] += 1
+                acts += size.act
+                flag_gathered(s, keep or gathered[s])
+                note(0 if gathered[s] else size.unit_gathered, 0)
+                flag_gathered(s, keep)
+            elif kind == FULL_BACKWARD or kind == BACKWARD_WEIGHT:
+                size, weight_only = sizes[s], kind == BACKWARD_WEIGHT
+                if not weight_only and not gathered[s]:
+                    gathers[s] += 1
+                backwards[s] += 1
+                n = backwards[s]
+                if every is None or (n % every and n < m):  # torch's nosync backward: all gathered, grads kept
+                    flag_gathered(s, True)
+                    flag_grads(s, True)
+                    note(0, 0)
+                    if n == m:  # torch's REDUCE_GRAD at the step's end
+                        reduces[s] += 1
+                        flag_grads(s, False)
+                        flag_gathered(s, keep)
+                elif weight_only:  # the whole stage's weight gradients, then reduced
+                    flag_grads(s, False)
+                    note(0, size.grads)
+                    reduces[s] += 1
+                else:  # unit by unit: gathered (unless kept) and reduced as its backward finishes
+                    flag_grads(s, False)
+                    flag_gathered(s, keep)
+                    note(0 if keep else size.unit_gathered, size.unit_grads)
+                    reduces[s] += 1
+                if n == m:
+                    flag_gathered(s, keep)  # REDUCE_GRAD reshards what the policy does not keep
+                acts -= size.act
+            elif kind == BACKWARD_INPUT:
+                if not gathered[s]:
+                    gathers[s] += 1
+                flag_gathered(s, True)
+    out.peak = peak
+    return out
