@@ -271,3 +271,33 @@ def test_edges_at_a_larger_cp_follow_from_cp_2_as_measured(name):
         assert scaled._measured[key] == measured._measured[key], key
         constants.append(2 * scaled._measured[key].act - scaled._measured[key].act2)
     assert min(constants) >= 0 and max(constants) > 0  # the loss's scalars: not in proportion to the tokens
+
+
+@pytest.mark.parametrize("name", ["dense", "moe", "hf"])
+def test_under_full_ac_a_further_block_adds_what_the_first_keeps_of_its_own(name):
+    """Under full AC StageCostCache takes what a further block of the first block's kind adds from the first block's
+    own measurement (activations.Saved.block_input: what its checkpoint keeps that the stage did not hand it, its
+    hidden state and FSDP's per-block casts of the rotary table) instead of measuring the pair (first, further):
+    every field of the pair minus the first block alone equals it, at microbatches of one and two sequences."""
+    from pp_tp.planner.stage_costs import StageCostCache
+
+    d, world, points = {"dense": (JOB, WORLD, [(2, 1, 2), (1, 1, 1)]), "moe": (MOE_JOB, 8, [(1, 2, 1)])}.get(
+        name, (None, 4, [(1, 1, 2)])
+    )  # points: (tp, ep, cp)
+    if name == "hf":
+        d = {**JOB, "model": {"hf_path": "toml_configs/hf_tiny"}, "training": {"batch_size": 8, "seq_len": 32}}
+    cfg = config_from_dict(d, world_size=world)
+    model = build_model(cfg.model, "meta")
+    cache = StageCostCache(cfg, model, layout_for(model))
+    first = cache._first
+    further = next(k for keys in cache._keys.values() if first in keys for k in keys if k != first)
+    single, pair = (False, (first,), False), (False, (first, further), False)
+    kind = (False, (next(sig for sig, keys in cache._keys.items() if first in keys),) * 3, False)
+    assert cache._probes(kind, "full")[1] == [(single, single)] * 2  # no pair is measured for it
+    for tp, ep, cp in points:
+        cache._measure(tp, "full", ep, cp, [single])  # apart: the search measures it alone
+        cache._measure(tp, "full", ep, cp, [pair])
+        one, two = cache._measured[(tp, "full", ep, cp, single)], cache._measured[(tp, "full", ep, cp, pair)]
+        assert (two.act - one.act, two.act2 - one.act2) == (one.block_input, one.block_input2), (tp, ep, cp)
+        assert two.shapes == one.shapes + one.shapes and two.experts == one.experts + one.experts
+        assert two.blocks == one.blocks * 2 and two.rest == one.rest

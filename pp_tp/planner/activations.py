@@ -63,6 +63,7 @@ class SavedActivations:
         self.saved_by: tuple[set[int], set[int]] = (set(), set())  # storage ids saved outside it, inside it
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda held: held.tensor)
         self._handles: list = []
+        self.inputs: list[dict[int, int]] = []  # per checkpointed module call, its tensor arguments' storages: bytes
 
     def _track(self, t: torch.Tensor, holder: object) -> None:
         """Counts `t`'s storage until `holder` is garbage-collected."""
@@ -85,6 +86,7 @@ class SavedActivations:
         return holder
 
     def _checkpoint_inputs(self, module: nn.Module, args: tuple) -> None:
+        self.inputs.append({storage_id(_storage(a)): _storage(a).nbytes() for a in args if isinstance(a, torch.Tensor)})
         for a in args:
             if isinstance(a, torch.Tensor):
                 self._track(a, a)
@@ -144,6 +146,7 @@ class Saved:
     recompute: int = 0
     fresh: tuple[int, int, int] = (0, 0, 0)
     first_block: int = 0  # the most held by the end of the stage's first block (what that block alone holds)
+    block_input: int = 0  # under full AC, what the first block's checkpoint keeps that the stage did not hand it
 
 
 def _attention(block: nn.Module, name: str) -> nn.Module | None:
@@ -218,4 +221,9 @@ def stage_activation_bytes(
     for h in hooks:
         h.remove()
     again = _recompute(stage, *calls[0]) if calls else Saved(0)
-    return Saved(saved.peak, again.recompute, again.fresh, ends[0] if ends else 0)
+    block_input = 0
+    if calls and calls[0][0] is stage.block_modules()[0]:  # full AC: the first block is checkpointed whole
+        # its own copies (its hidden state, FSDP's casts of the tables), not the tables the stage hands every block
+        shared = _keys(calls[0][1][1:]) | _keys(calls[0][2]) | _keys([*stage.parameters(), *stage.buffers()])
+        block_input = sum(size for key, size in saved.inputs[0].items() if key not in shared)
+    return Saved(saved.peak, again.recompute, again.fresh, ends[0] if ends else 0, block_input)

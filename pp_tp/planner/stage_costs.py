@@ -20,7 +20,11 @@ microbatches of one and two sequences, and the rest follows:
 - an edge stage saves a constant (the loss's scalars) plus what grows with the tokens of a cp rank (assumed,
   BENCHMARKS.md as above): every other tensor its embedding, head and loss save holds the rank's mb x seq / cp
   tokens (a cp rank's position ids too), so at cp > 2 it follows from the cp = 2 measurement at microbatches of
-  one and two sequences, and the edges are measured at cp 1 and 2 only, not at every cp degree.
+  one and two sequences, and the edges are measured at cp 1 and 2 only, not at every cp degree;
+- under full AC a further block of the first block's kind adds its parameters and what its checkpoint keeps that
+  the stage did not hand it (assumed, as above): its hidden state and its own copies of the tables (FSDP casts its
+  inputs per block); nothing inside a checkpointed block is kept. The first block's measurement gives both
+  (activations.Saved.block_input), so the (x, block) pair is not built under full AC for such blocks.
 
 tests/test_planner_search.py checks the result equals the full dry run (pp_tp.planner.plan_job).
 """
@@ -68,6 +72,8 @@ class Measured:
     held: int = 0  # the masks context parallel keeps cached (pp_tp.planner.context.held_mask_bytes)
     fresh: tuple[int, int, int] = (0, 0, 0)  # under full AC, its first block's own saves (activations.Saved)
     fresh2: tuple[int, int, int] = (0, 0, 0)
+    block_input: int = 0  # under full AC, what its first block's checkpoint keeps of the hidden state, at one and two
+    block_input2: int = 0
 
     def local(self, dp_shard: int, ep: int) -> int:
         """Elements of the largest (first) FSDP shard."""
@@ -92,6 +98,7 @@ def _measured(params: list, blocks: list, one: Saved, two: Saved, held: int, fir
     return Measured(
         Counter(_shape(p) for p in params if not is_expert(p)), Counter(_shape(p) for p in params if is_expert(p)),
         sizes, total - sum(sizes), act1, act2, one.recompute, two.recompute, held, one.fresh, two.fresh,
+        one.block_input, two.block_input,
     )  # fmt: skip
 
 
@@ -199,17 +206,22 @@ class StageCostCache:
         )
         return True
 
-    def _probes(self, kind: Kind) -> tuple[list[Probe], list[tuple[Probe, Probe]]]:
+    def _probes(self, kind: Kind, ac: str = "full") -> tuple[list[Probe], list[tuple[Probe, Probe]]]:
         """The stage's parts measured alone: its edges (no block) and its first block, and per further block the
         plain pair (x, that block) and (x) whose difference is what the block adds wherever it is (x: the small
-        model's first block)."""
+        model's first block). Under full AC a further block of x's kind adds what x's checkpoint keeps of its
+        hidden state (assumed, see the module docstring): its pair is (x, x), read off x's own measurement."""
         embed, sigs, head = kind
         parts = [(embed, (), head)] if embed or head else []
         parts += [(False, (self._keys[sigs[0]][0],), False)] if sigs else []
         pairs = []
+        single = (False, (self._first,), False)
         for sig in sigs[1:]:
+            if ac == "full" and self._first in self._keys[sig]:
+                pairs.append((single, single))
+                continue
             key = next(k for k in self._keys[sig] if k != self._first)
-            pairs.append(((False, (self._first, key), False), (False, (self._first,), False)))
+            pairs.append(((False, (self._first, key), False), single))
         return parts, pairs
 
     def cost(self, tp: int, ac: str, ep: int, cp: int, kind: Kind, dp_shard: int, microbatch: int) -> StageCost:
@@ -217,7 +229,7 @@ class StageCostCache:
         key = (tp, ac, ep, cp, kind, dp_shard, microbatch)
         if key not in self._costs:
             embed, _, head = kind
-            probes, pairs = self._probes(kind)
+            probes, pairs = self._probes(kind, ac)
             measured = self._get(tp, ac, ep, cp, [*probes, *(p for pair in pairs for p in pair)])
             parts, rest = measured[: len(probes)], measured[len(probes) :]
             shapes, experts = Counter(), Counter()
@@ -228,7 +240,12 @@ class StageCostCache:
                 act1, act2 = act1 + part.act, act2 + part.act2
                 recompute1, recompute2 = max(recompute1, part.recompute), max(recompute2, part.recompute2)
                 held += part.held
-            for two, single in zip(rest[::2], rest[1::2]):  # what each further block adds
+            for (with_block, alone), two, single in zip(pairs, rest[::2], rest[1::2]):  # what each further block adds
+                if with_block == alone:  # (x, x): x's parameters and the hidden state its checkpoint keeps
+                    shapes.update(single.shapes)
+                    experts.update(single.experts)
+                    act1, act2 = act1 + single.block_input, act2 + single.block_input2
+                    continue
                 _plus(shapes, two.shapes, single.shapes)
                 _plus(experts, two.experts, single.experts)
                 act1, act2 = act1 + two.act - single.act, act2 + two.act2 - single.act2
