@@ -76,14 +76,22 @@ def walk_step(actions: list[Action], sizes: dict[int, StageBytes], policy: FsdpP
     for action in actions:
         for a in action.sub_actions if action.computation_type == OVERLAP_F_B else (action,):
             kind, s = a.computation_type, a.stage_index
-            if kind == FORWARD:  # gathered for its forward; resharded after unless the policy keeps it
-                size = sizes[s]
-                if not gathered[s]:
+            if kind == FORWARD:  # gathered for its forward (the unit, or all if kept); resharded after unless kept
+                size, was = sizes[s], gathered[s]
+                if not was:
                     gathers[s] += 1
                 acts += size.act
-                flag_gathered(s, keep or gathered[s])
-                note(0 if gathered[s] else size.unit_gathered, 0)
-                flag_gathered(s, keep)
+                if keep or was:  # the whole stage is gathered during its forward
+                    gathered_total += 0 if was else size.gathered
+                    g = gathered_total
+                else:  # one unit at a time
+                    g = gathered_total + size.unit_gathered
+                if acts + g + grads_total > peak:  # note(), inlined: forwards are half of all actions
+                    peak = acts + g + grads_total
+                    out.act, out.gathered, out.grads = acts, g, grads_total
+                if was and not keep:
+                    gathered_total -= size.gathered  # resharded after its forward
+                gathered[s] = keep
             elif kind == FULL_BACKWARD or kind == BACKWARD_WEIGHT:
                 size, weight_only = sizes[s], kind == BACKWARD_WEIGHT
                 if not weight_only and not gathered[s]:
