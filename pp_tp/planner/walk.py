@@ -43,84 +43,96 @@ class Walk:
     reduce_scatters: dict[int, int] = field(default_factory=dict)
 
 
+class _Walker:
+    """One rank's state along the walk: per-stage flags, and the flagged stages' sizes summed as the flags change
+    (slots and plain ints: the layout search walks millions of actions)."""
+
+    __slots__ = ("acts", "backwards", "every", "gathered", "gathered_total", "grads_held", "grads_total", "keep",
+                 "m", "out", "sizes")  # fmt: skip
+
+    def __init__(self, sizes: dict[int, StageBytes], policy: FsdpPolicy, microbatches: int):
+        self.sizes, self.m = sizes, microbatches
+        self.keep, self.every = not policy.reshards_params, policy.grad_reduce_every
+        self.out = Walk(all_gathers={s: 0 for s in sizes}, reduce_scatters={s: 0 for s in sizes})
+        self.gathered = {s: False for s in sizes}  # the stage's parameters are all-gathered now
+        self.grads_held = {s: False for s in sizes}  # its unsharded gradients are kept now
+        self.backwards = {s: 0 for s in sizes}
+        self.acts = self.gathered_total = self.grads_total = 0
+
+    def flag_gathered(self, s: int, on: bool) -> None:
+        if on != self.gathered[s]:
+            self.gathered_total += self.sizes[s].gathered if on else -self.sizes[s].gathered
+            self.gathered[s] = on
+
+    def flag_grads(self, s: int, on: bool) -> None:
+        if on != self.grads_held[s]:
+            self.grads_total += self.sizes[s].grads if on else -self.sizes[s].grads
+            self.grads_held[s] = on
+
+    def note(self, gathered: int, grads: int) -> None:
+        """The peak so far, and what it was made of, given the bytes gathered and of gradients held now."""
+        out = self.out
+        if self.acts + gathered + grads > out.peak:
+            out.peak = self.acts + gathered + grads
+            out.act, out.gathered, out.grads = self.acts, gathered, grads
+
+    def forward(self, s: int) -> None:
+        """Gathered for its forward (the unit, or the whole stage if kept or already gathered); resharded after
+        unless the policy keeps it."""
+        size, was, keep = self.sizes[s], self.gathered[s], self.keep
+        if not was:
+            self.out.all_gathers[s] += 1
+        self.acts += size.act
+        if keep or was:
+            self.gathered_total += 0 if was else size.gathered
+            self.note(self.gathered_total, self.grads_total)
+        else:
+            self.note(self.gathered_total + size.unit_gathered, self.grads_total)
+        if was and not keep:
+            self.gathered_total -= size.gathered
+        self.gathered[s] = keep
+
+    def backward(self, s: int, weight_only: bool) -> None:
+        size, keep, every = self.sizes[s], self.keep, self.every
+        if not weight_only and not self.gathered[s]:
+            self.out.all_gathers[s] += 1
+        self.backwards[s] += 1
+        n = self.backwards[s]
+        if every is None or (n % every and n < self.m):  # torch's nosync backward: all gathered, grads kept
+            self.flag_gathered(s, True)
+            self.flag_grads(s, True)
+            self.note(self.gathered_total, self.grads_total)
+            if n == self.m:  # torch's REDUCE_GRAD at the step's end
+                self.out.reduce_scatters[s] += 1
+                self.flag_grads(s, False)
+                self.flag_gathered(s, keep)
+        elif weight_only:  # the whole stage's weight gradients, then reduced
+            self.flag_grads(s, False)
+            self.note(self.gathered_total, self.grads_total + size.grads)
+            self.out.reduce_scatters[s] += 1
+        else:  # unit by unit: gathered (unless kept) and reduced as its backward finishes
+            self.flag_grads(s, False)
+            self.flag_gathered(s, keep)
+            self.note(self.gathered_total + (0 if keep else size.unit_gathered), self.grads_total + size.unit_grads)
+            self.out.reduce_scatters[s] += 1
+        if n == self.m:
+            self.flag_gathered(s, keep)  # REDUCE_GRAD reshards what the policy does not keep
+        self.acts -= size.act
+
+
 def walk_step(actions: list[Action], sizes: dict[int, StageBytes], policy: FsdpPolicy, microbatches: int) -> Walk:
     """Walks one rank's compute actions (F, B, I, W, overlapped F+B) through a step under the rank's FSDP
-    policy; see the module docstring. One loop over plain locals: the layout search walks millions of actions."""
-    keep, every, m = not policy.reshards_params, policy.grad_reduce_every, microbatches
-    out = Walk(all_gathers={s: 0 for s in sizes}, reduce_scatters={s: 0 for s in sizes})
-    gathers, reduces = out.all_gathers, out.reduce_scatters
-    gathered = {s: False for s in sizes}  # the stage's parameters are all-gathered now
-    grads_held = {s: False for s in sizes}  # its unsharded gradients are kept now
-    backwards = {s: 0 for s in sizes}
-    acts = gathered_total = grads_total = peak = 0  # the flagged stages' sizes, summed as the flags change
-
-    def flag_gathered(s: int, on: bool) -> None:
-        nonlocal gathered_total
-        if on != gathered[s]:
-            gathered_total += sizes[s].gathered if on else -sizes[s].gathered
-            gathered[s] = on
-
-    def flag_grads(s: int, on: bool) -> None:
-        nonlocal grads_total
-        if on != grads_held[s]:
-            grads_total += sizes[s].grads if on else -sizes[s].grads
-            grads_held[s] = on
-
-    def note(extra_gathered: int, extra_grads: int) -> None:  # the peak so far, and what it was made of
-        nonlocal peak
-        g, r = gathered_total + extra_gathered, grads_total + extra_grads
-        if acts + g + r > peak:
-            peak = acts + g + r
-            out.act, out.gathered, out.grads = acts, g, r
-
+    policy; see the module docstring."""
+    rank = _Walker(sizes, policy, microbatches)
     for action in actions:
         for a in action.sub_actions if action.computation_type == OVERLAP_F_B else (action,):
-            kind, s = a.computation_type, a.stage_index
-            if kind == FORWARD:  # gathered for its forward (the unit, or all if kept); resharded after unless kept
-                size, was = sizes[s], gathered[s]
-                if not was:
-                    gathers[s] += 1
-                acts += size.act
-                if keep or was:  # the whole stage is gathered during its forward
-                    gathered_total += 0 if was else size.gathered
-                    g = gathered_total
-                else:  # one unit at a time
-                    g = gathered_total + size.unit_gathered
-                if acts + g + grads_total > peak:  # note(), inlined: forwards are half of all actions
-                    peak = acts + g + grads_total
-                    out.act, out.gathered, out.grads = acts, g, grads_total
-                if was and not keep:
-                    gathered_total -= size.gathered  # resharded after its forward
-                gathered[s] = keep
+            kind = a.computation_type
+            if kind == FORWARD:
+                rank.forward(a.stage_index)
             elif kind == FULL_BACKWARD or kind == BACKWARD_WEIGHT:
-                size, weight_only = sizes[s], kind == BACKWARD_WEIGHT
-                if not weight_only and not gathered[s]:
-                    gathers[s] += 1
-                backwards[s] += 1
-                n = backwards[s]
-                if every is None or (n % every and n < m):  # torch's nosync backward: all gathered, grads kept
-                    flag_gathered(s, True)
-                    flag_grads(s, True)
-                    note(0, 0)
-                    if n == m:  # torch's REDUCE_GRAD at the step's end
-                        reduces[s] += 1
-                        flag_grads(s, False)
-                        flag_gathered(s, keep)
-                elif weight_only:  # the whole stage's weight gradients, then reduced
-                    flag_grads(s, False)
-                    note(0, size.grads)
-                    reduces[s] += 1
-                else:  # unit by unit: gathered (unless kept) and reduced as its backward finishes
-                    flag_grads(s, False)
-                    flag_gathered(s, keep)
-                    note(0 if keep else size.unit_gathered, size.unit_grads)
-                    reduces[s] += 1
-                if n == m:
-                    flag_gathered(s, keep)  # REDUCE_GRAD reshards what the policy does not keep
-                acts -= size.act
+                rank.backward(a.stage_index, kind == BACKWARD_WEIGHT)
             elif kind == BACKWARD_INPUT:
-                if not gathered[s]:
-                    gathers[s] += 1
-                flag_gathered(s, True)
-    out.peak = peak
-    return out
+                if not rank.gathered[a.stage_index]:
+                    rank.out.all_gathers[a.stage_index] += 1
+                rank.flag_gathered(a.stage_index, True)
+    return rank.out
