@@ -301,3 +301,25 @@ def test_under_full_ac_a_further_block_adds_what_the_first_keeps_of_its_own(name
         assert (two.act - one.act, two.act2 - one.act2) == (one.block_input, one.block_input2), (tp, ep, cp)
         assert two.shapes == one.shapes + one.shapes and two.experts == one.experts + one.experts
         assert two.blocks == one.blocks * 2 and two.rest == one.rest
+
+
+def test_the_config_rules_do_not_depend_on_the_ac_mode():
+    """The search validates a layout once for its three AC modes (pp_tp.planner.search._search): on every layout it
+    enumerates (the refused ones too, with the MoE job's ep axis), validating under each mode gives the same
+    [parallel] but its AC, or the same refusal."""
+    from pp_tp.planner.moe import model_experts
+
+    for d, world in ((JOB, WORLD), (MOE_JOB, 8)):
+        cfg = config_from_dict(d, world_size=world)
+        model = build_model(cfg.model, "meta")
+        evaluator = LayoutEvaluator(cfg, world, model, layout_for(model))
+        seen = {}
+        for kw in _layouts(cfg, world, model_experts(model, layout_for(model))):
+            ac = kw.pop("activation_checkpoint")
+            try:
+                p = evaluator.outline(_auto(cfg, {**kw, "activation_checkpoint": ac}, 1.0)).pcfg
+                verdict = dataclasses.replace(p, activation_checkpoint="none")
+            except ConfigError as e:
+                verdict = str(e)
+            assert seen.setdefault(tuple(sorted(kw.items())), verdict) == verdict, (kw, ac)
+        assert any(isinstance(v, str) for v in seen.values()) and len(seen) > 20

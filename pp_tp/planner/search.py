@@ -179,17 +179,22 @@ def _search(cfg: JobConfig, world: int, budget_gib: float, dev: Device, top: int
     experts = model_experts(model, layout)
     dims = evaluator.costs.dims
     outlines = []
+    last: tuple[dict, Outline | None] = ({}, None)  # the previous layout but its AC, and its outline
     for i, kw in enumerate(_layouts(cfg, world, experts)):
-        pcfg = dataclasses.replace(
-            cfg.parallel, **kw, fsdp_reshard_after_forward="auto", fsdp_grad_reduce="auto",
-            memory_budget_gib=budget_gib, split="balanced", layers_per_stage=None, stage_fqns=None,
-            compile=False, float8=False,
-        )  # fmt: skip
-        try:
-            o = evaluator.outline(pcfg)
-        except ConfigError:
-            continue  # not a valid layout for this model and batch
-        outlines.append((time_floor(cfg, o, dev, dims, experts), i, o))
+        ac = kw.pop("activation_checkpoint")
+        if kw != last[0]:  # the config rules do not depend on the AC mode (tests/test_planner_search.py)
+            pcfg = dataclasses.replace(
+                cfg.parallel, **kw, fsdp_reshard_after_forward="auto", fsdp_grad_reduce="auto",
+                memory_budget_gib=budget_gib, split="balanced", layers_per_stage=None, stage_fqns=None,
+                compile=False, float8=False, activation_checkpoint=ac,
+            )  # fmt: skip
+            try:
+                last = (kw, evaluator.outline(pcfg))
+            except ConfigError:
+                last = (kw, None)  # not a valid layout for this model and batch
+        if last[1] is not None:
+            o = dataclasses.replace(last[1], pcfg=dataclasses.replace(last[1].pcfg, activation_checkpoint=ac))
+            outlines.append((time_floor(cfg, o, dev, dims, experts), i, o))
     found: list[tuple[float, int, Candidate]] = []
     for floor, i, o in sorted(outlines, key=lambda x: x[:2]):
         if top <= len(found) and floor > found[top - 1][0]:
