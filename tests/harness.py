@@ -5,13 +5,13 @@ feeds them cases through queues. A case is a module-level function called on eve
 values (one per rank) come back to the test. A failing rank's traceback is re-raised in the test; a
 case that fails or hangs tears the world down so the next case starts from a clean one.
 
-Between its cases a rank clears DTensor's sharding-propagation caches (`forget_sharding_specs`): torch's DeviceMesh
-equality ignores process groups, so a cached output spec of one case's mesh is handed to a later case whose mesh is
-equal (same ranks, shape and names; its own groups), and the later case's DTensors then reduce over the earlier mesh's
-groups. The numbers are the same (same ranks), but a ledger counting ops on the later mesh's groups came out short
-(measured: test_context_parallel on this world, then 8 of 16 TP all-reduces seen in test_expert_parallel's ledger
-case and 0 of 16 in test_nonlm's ViT case; again with the caches kept and emptied only where a mesh is built: a case
-reusing an older cached mesh after a newer equal one still counted 4 of 8 in test_nonlm's CREDIT case).
+DTensor's sharding-propagation caches live as long as the rank. torch's DeviceMesh equality ignores process groups,
+so a cached output spec computed on one mesh is handed to any later equal mesh; but every mesh a case builds comes
+from pp_tp's `make_mesh` or `parity_utils.flat_mesh`, made once per shape and world (pp_tp/base/per_world.py), so an
+equal mesh is the same mesh with the same groups. torchtitan's Trainer builds its meshes itself: a spec handed from
+one of them to an equal later one runs the same collective over the same ranks, on the earlier groups. (When the
+tests built a new mesh per case, a ledger counting one case's TP all-reduces saw 8 of 16 after test_context_parallel
+had run, so the caches were emptied after every case.)
 
 Between its cases a world is stopped (SIGSTOP, `pause`): every gloo process group keeps a transport thread that
 wakes about every 10 ms even when idle, and with tens of groups per rank and several worlds alive, idle ranks
@@ -38,8 +38,6 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-from pp_tp.base._torch import forget_sharding_specs
 
 CASE_TIMEOUT_S = float(os.environ.get("PP_TP_CASE_TIMEOUT", "600"))
 # Bounds every collective: when one rank fails, its peers error out instead of waiting forever.
@@ -86,7 +84,6 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
             results.put((case_id, rank, True, fn(*args, **kwargs), _threads()))
         except BaseException:  # noqa: BLE001 - everything goes back to the test
             results.put((case_id, rank, False, traceback.format_exc(), _threads()))
-        forget_sharding_specs()
     dist.destroy_process_group()
 
 

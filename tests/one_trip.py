@@ -2,9 +2,7 @@
 
 Measured on this 2-core machine (not side by side): tests/test_schedules.py's eight 4-rank matrix cases and its CSV
 case took 21.4 s as nine round trips (quiet machine) and 9.7-11.3 s as one (load average 5-11, other jobs running).
-Within one round trip DTensor's sharding caches are kept between the cases; that is
-sound because every case takes its meshes from parity_utils.mesh_for (one per shape), so a cached spec is keyed by the
-very mesh it was computed on (tests/harness.py says why caches must not outlive a round trip).
+A round trip saves the queue hand-offs and the stop and continue of the world between cases.
 """
 
 from __future__ import annotations

@@ -9,26 +9,29 @@ from dataclasses import asdict, replace
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import pp_tp
+from pp_tp.base.per_world import once_per_world
 from pp_tp.base.tensors import full_tensor, persistent_buffers  # noqa: F401  (tests reach pu.full_tensor)
 from pp_tp.config import ModelConfig, ParallelConfig
 from pp_tp.models.factory import build_model
 from pp_tp.models.reference.model import ModelArgs
 from pp_tp.parity import PipelineRun, ReferenceRun, StepDiff, lockstep, rel_err  # noqa: F401  (tests reach pu.rel_err)
 
-_MESHES: dict = {}
-
 TINY = ModelArgs(vocab_size=96, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=32)
 
 
-def mesh_for(pcfg: ParallelConfig):
-    """Meshes are cached per shape: creating gloo groups for every case would dominate the run time."""
-    key = (pcfg.pp, pcfg.dp_replicate, pcfg.dp_shard, pcfg.ep, pcfg.cp, pcfg.tp)
-    if key not in _MESHES:
-        _MESHES[key] = pp_tp.build_mesh(pcfg)
-    return _MESHES[key]
+def mesh_for(pcfg: ParallelConfig) -> DeviceMesh:
+    """The world's mesh of this shape: pp_tp makes one per shape (base/per_world.py), so every case of a shape holds
+    the same mesh object and its groups, and DTensor's sharding caches stay sound across cases (tests/harness.py)."""
+    return pp_tp.build_mesh(pcfg)
+
+
+def flat_mesh(n: int) -> DeviceMesh:
+    """A 1-D mesh over the first n ranks of the world, made once per world like pp_tp's own meshes."""
+    return once_per_world(("tests: flat mesh", n), lambda: init_device_mesh("cpu", (n,)))
 
 
 def pcfg_of(**kw) -> ParallelConfig:

@@ -20,7 +20,6 @@ ARGS8 = replace(pu.TINY, n_layers=8)
 
 def ledger_basics_case() -> dict:
     """The ledger sees collectives issued from autograd backward, DTensor's functional collectives, and p2p."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -36,7 +35,7 @@ def ledger_basics_case() -> dict:
             dist.all_reduce(g)
             return g
 
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = pu.flat_mesh(world)
     with CommLedger() as led:
         x = torch.ones(8, requires_grad=True)
         AllReduceInBackward.apply(x).sum().backward()

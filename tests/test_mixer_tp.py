@@ -14,6 +14,7 @@ import copy
 
 import pytest
 import torch
+from parity_utils import flat_mesh
 from torch import nn
 
 from pp_tp.errors import ConfigError
@@ -61,7 +62,6 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _split_vs_whole(family: str, keys: dict, style: str) -> dict:
     """On every rank: the whole mixer and its tp2 head split on the same input and output gradient."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
     from pp_tp.diagnostics.comm_ledger import CommLedger
@@ -70,7 +70,7 @@ def _split_vs_whole(family: str, keys: dict, style: str) -> dict:
 
     whole = _mixer(family, keys)
     split = copy.deepcopy(whole)
-    mesh = init_device_mesh("cpu", (2,))
+    mesh = flat_mesh(2)
     torch.manual_seed(1)
     x, dy = torch.randn(2, 10, 32), torch.randn(2, 10, 32)
     x_whole, x_split = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -101,14 +101,13 @@ def _split_vs_whole(family: str, keys: dict, style: str) -> dict:
 
 def _refusal(family: str, keys: dict, style: str) -> dict:
     """On every rank: a head count tp2 does not divide, refused while applying (no collective issued)."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
     from pp_tp.diagnostics.comm_ledger import CommLedger
     from pp_tp.parallel.tp_styles import TP_STYLES
 
     mixer = _mixer(family, keys)
-    mesh = init_device_mesh("cpu", (2,))
+    mesh = flat_mesh(2)
     with CommLedger() as led:
         try:
             parallelize_module(mixer, mesh, TP_STYLES[style].factory(), src_data_rank=None)

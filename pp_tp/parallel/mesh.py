@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from pp_tp.base._torch import flatten_mesh_dims
+from pp_tp.base.per_world import once_per_world
 from pp_tp.config import ParallelConfig, check_ep, resolve_dp_shard
 from pp_tp.errors import ConfigError
 
@@ -107,21 +108,26 @@ def build_mesh(pcfg: ParallelConfig) -> DeviceMesh:
 def make_mesh(device: str, pcfg: ParallelConfig, world_size: int) -> DeviceMesh:
     """The 4-D mesh; with parallel.ep > 1 the 5-D one whose flattened "dp_shard" covers ("dp_shard_mod_ep", "ep");
     with parallel.cp > 1 the 5-D one with "cp" and the flattened "dp_shard_cp"; with both, the 6-D one whose
-    flattened "ep" covers ("dp_shard_in_ep", "cp") (`flattened`)."""
+    flattened "ep" covers ("dp_shard_in_ep", "cp") (`flattened`). Made once per shape and default process group
+    (`once_per_world`): a later build on the same shape reuses its process groups."""
     pp, dp_replicate, dp_shard, tp = mesh_shape(pcfg, world_size)
     ep, cp = pcfg.ep, pcfg.cp
-    if ep == 1 and cp == 1:
-        return init_device_mesh(device, (pp, dp_replicate, dp_shard, tp), mesh_dim_names=MESH_DIMS)
     if ep > 1 and cp > 1:
         shape, names = (pp, dp_replicate, dp_shard // (ep // cp), ep // cp, cp, tp), EP_CP_MESH_DIMS
     elif cp > 1:
         shape, names = (pp, dp_replicate, dp_shard, cp, tp), CP_MESH_DIMS
-    else:
+    elif ep > 1:
         shape, names = (pp, dp_replicate, dp_shard // ep, ep, tp), EP_MESH_DIMS
-    mesh = init_device_mesh(device, shape, mesh_dim_names=names)
-    for name, dims in flattened(names).items():
-        flatten_mesh_dims(mesh, dims, name)
-    return mesh
+    else:
+        shape, names = (pp, dp_replicate, dp_shard, tp), MESH_DIMS
+
+    def make() -> DeviceMesh:
+        mesh = init_device_mesh(device, shape, mesh_dim_names=names)
+        for name, dims in flattened(names).items():
+            flatten_mesh_dims(mesh, dims, name)
+        return mesh
+
+    return once_per_world(("mesh", device, shape, names), make)
 
 
 def dp_rank(mesh: DeviceMesh) -> int:

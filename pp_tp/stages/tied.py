@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from pp_tp.base._torch import local_tensor
+from pp_tp.base.per_world import once_per_world
 from pp_tp.split.plan import StagePlan
 from pp_tp.stages.stage_module import canonical_names
 
@@ -36,6 +37,17 @@ def tied_names(model: nn.Module) -> list[list[str]]:
 def _holders(plan: StagePlan, names: list[str]) -> list[int]:
     """The pp ranks whose stages hold a module one of `names` lives in."""
     return sorted({s.rank for s in plan.stages if any(n.startswith(f + ".") for f in s.fqns for n in names)})
+
+
+def _own_group(rows: tuple[tuple[int, ...], ...]) -> dist.ProcessGroup | None:
+    """Makes one group per row of ranks (every rank makes every group, in the same order: torch's rule for
+    new_group); this rank's, or None where no row holds it."""
+    own = None
+    for ranks in rows:
+        group = dist.new_group(list(ranks))
+        if dist.get_rank() in ranks:
+            own = group
+    return own
 
 
 class TiedWeights:
@@ -54,14 +66,12 @@ class TiedWeights:
             if len(holders) < 2 or holders in self.groups:
                 continue
             # One group per set of holding pp ranks and mesh coordinate, shared by every weight those ranks tie (a
-            # block shared by several layers ties each of its parameters); every rank creates every group, in the
-            # same order (torch's rule for new_group).
-            self.groups[holders] = None
-            for coord in itertools.product(*(range(n) for n in grid.shape[1:])):
-                ranks = [int(grid[(pp, *coord)]) for pp in holders]
-                group = dist.new_group(ranks)
-                if dist.get_rank() in ranks:
-                    self.groups[holders] = group
+            # block shared by several layers ties each of its parameters), and by later builds on the same ranks.
+            rows = tuple(
+                tuple(int(grid[(pp, *coord)]) for pp in holders)
+                for coord in itertools.product(*(range(n) for n in grid.shape[1:]))
+            )
+            self.groups[holders] = once_per_world(("tied", rows), lambda rows=rows: _own_group(rows))
 
     @torch.no_grad()
     def sync(self, parts: Iterable[nn.Module]) -> None:

@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from pp_tp.base._torch import per_part_replicated
+from pp_tp.base.per_world import once_per_world
 from pp_tp.config import CheckpointConfig
 from pp_tp.errors import ConfigError
 from pp_tp.parallel.rng import StageStream
@@ -135,16 +136,13 @@ def _per_group(state: dict, groups: int) -> dict:
     return {k: v[:1] * groups if k in _PER_GROUP else v for k, v in state.items()}
 
 
-_SAVE_GROUP: list = [None, None]  # (the default group it was made under, the background saves' gloo group)
-
-
 def _save_group(timeout_s: float) -> dist.ProcessGroup:
     """The gloo group of the background writes: DCP's async_save gathers plans and results from a thread, and on a
-    group of its own those collectives never interleave with the training's (one per process: every rank makes it,
-    a collective, at its first async Checkpointer, so long-lived worlds do not pile up groups)."""
-    if _SAVE_GROUP[0] is not dist.group.WORLD:
-        _SAVE_GROUP[:] = [dist.group.WORLD, dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))]
-    return _SAVE_GROUP[1]
+    group of its own those collectives never interleave with the training's (one per default group: every rank makes
+    it, a collective, at its first async Checkpointer, so long-lived worlds do not pile up groups)."""
+    return once_per_world(
+        ("checkpoint saves",), lambda: dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    )
 
 
 def _then(written: Future, publish: Callable[[], None]) -> Future:
