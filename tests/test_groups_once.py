@@ -1,5 +1,5 @@
 """A second build on the same ranks and shape makes no process group (pp_tp/base/per_world.py): it gets the first
-build's mesh and tied-weight groups, and computes what the first computed."""
+build's mesh and tied-weight groups, and both builds pass the float64 verdict against the plain model."""
 
 from __future__ import annotations
 
@@ -7,11 +7,13 @@ import os
 from dataclasses import replace
 
 import parity_utils as pu
-import torch
 import torch.distributed as dist
 
 TIED = replace(pu.TINY, tie_embeddings=True)
-TIED_PP2_TP2 = dict(pp=2, tp=2, schedule="1F1B", microbatches=2, embedding="vocab_parallel")
+CASES = {  # the tied copies on both pp ranks (a group per tp rank), and on pp ranks 0 and 3 of 4 (a subset of pp)
+    "pp2_tp2": dict(pp=2, tp=2, schedule="1F1B", microbatches=2, embedding="vocab_parallel"),
+    "pp4": dict(pp=4, schedule="1F1B", microbatches=4),
+}
 
 
 def _threads() -> int:
@@ -20,26 +22,31 @@ def _threads() -> int:
 
 
 def twice_case() -> dict:
-    pcfg = pu.pcfg_of(**TIED_PP2_TP2)
-    state = pu.reference_state(TIED)
-    ids, labels = pu.batch(TIED, 8, 16)
-    first = pu.run_pipeline(pcfg, state, ids, labels, TIED)
-    after_first = _threads()
-    second = pu.run_pipeline(pcfg, state, ids, labels, TIED)
-    after_second = _threads()
+    out = {}
+    for name, kw in CASES.items():
+        pcfg = pu.pcfg_of(**kw)
+        first = pu.compare(pcfg, TIED)
+        before = _threads()
+        second = pu.compare(pcfg, TIED, steps=2)
+        out[name] = dict(
+            first=first,
+            second=second,
+            same_mesh=pu.mesh_for(pcfg) is pu.mesh_for(pcfg),
+            made_by_second=_threads() - before,
+        )
+    before = _threads()
     dist.new_group(list(range(dist.get_world_size())))  # what making a group shows in the count
-    grads_equal = all(torch.equal(first["grads"][k], second["grads"][k]) for k in first["grads"])
-    return dict(
-        same_mesh=first["pipe"].mesh is second["pipe"].mesh,
-        made_by_second=after_second - after_first,
-        made_by_new_group=_threads() - after_second,
-        losses=(first["losses"], second["losses"]),
-        grads_equal=grads_equal and bool(first["grads"]),
-    )
+    out["made_by_new_group"] = _threads() - before
+    return out
 
 
 def test_a_second_build_reuses_the_first_builds_groups(world):
-    for r in world(4).run(twice_case):
-        assert r["same_mesh"] and r["made_by_second"] == 0, r
-        assert r["made_by_new_group"] > 0, r  # the count sees a group being made
-        assert r["losses"][0] == r["losses"][1] and r["grads_equal"], r
+    results = world(4).run(twice_case)
+    for name in CASES:
+        for r in results:
+            c = r[name]
+            pu.assert_passes(c["first"], name)  # (a tied weight sits on two pp ranks: no exactly-once cover check)
+            pu.assert_passes(c["second"], name)
+            assert c["same_mesh"] and c["made_by_second"] == 0, (name, c["made_by_second"])
+            assert c["first"]["losses"][0] == c["second"]["losses"][0], name  # the same first step, bit for bit
+    assert all(r["made_by_new_group"] > 0 for r in results)  # the count sees a group being made
