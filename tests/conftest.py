@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
 from harness import World, close_all  # noqa: E402
+
+# The session's verdicts on disk (pp_tp/base/disk_memo.py): shared by its ranks and the jobs it launches, set before
+# any of them starts; a fresh folder, so every run computes them once and leaves nothing in the user's cache.
+_CACHE = None if "PP_TP_CACHE_DIR" in os.environ else tempfile.mkdtemp(prefix="pp_tp_cache_")
+if _CACHE is not None:
+    os.environ["PP_TP_CACHE_DIR"] = _CACHE
 
 _worlds: dict[int, World] = {}
 # A session world is ended once its ranks hold more OS threads than this after a case (harness.World says why); 120
@@ -41,3 +49,8 @@ def world():
     """`world(n)` returns the session's n-rank world."""
     yield get_world
     close_all(list(_worlds.values()))
+
+
+def pytest_sessionfinish(session):
+    if _CACHE is not None:
+        shutil.rmtree(_CACHE, ignore_errors=True)

@@ -43,12 +43,21 @@ CASE_TIMEOUT_S = float(os.environ.get("PP_TP_CASE_TIMEOUT", "600"))
 # Bounds every collective: when one rank fails, its peers error out instead of waiting forever.
 PG_TIMEOUT_S = 60
 # What every rank imports anyway, imported once in the forkserver its ranks are forked from; with transformers
-# installed, also what every Hugging Face case imports (measured: ~3.4 s per rank of every world, paid once here).
-_PRELOAD = ["torch", "torch.distributed.pipelining", "torch.distributed.tensor", "pp_tp"] + (
-    ["transformers.modeling_utils", "transformers.models.auto.modeling_auto", "pp_tp.models.hf.build"]
-    if importlib.util.find_spec("transformers")
-    else []
-)
+# installed, also what every Hugging Face case imports (measured: ~3.4 s per rank of every world, paid once here);
+# then the tests' shared helpers and the integrations many worlds' cases import (py-spy over the suite: ranks spent
+# ~60 s importing test modules and what they import, torchtitan's and the HF Trainer's stacks most; 1.7 s here).
+_PRELOAD = ["torch", "torch.distributed.pipelining", "torch.distributed.tensor", "pp_tp", "parity_utils", "one_trip"]
+_PRELOAD += [
+    module
+    for package, modules in (
+        ("transformers", ["transformers.modeling_utils", "transformers.models.auto.modeling_auto"]),
+        ("transformers", ["pp_tp.models.hf.build", "transformers.models.llama.modeling_llama", "hf_utils"]),
+        ("trl", ["pp_tp.integrations.hf_trainer", "pp_tp.integrations.hf_sft"]),
+        ("torchtitan", ["titan_utils"]),
+    )
+    if importlib.util.find_spec(package)
+    for module in modules
+]
 # How long ranks asked to leave get before they are killed, shared by all worlds closing together.
 LEAVE_GRACE_S = 2.0
 

@@ -153,9 +153,15 @@ def _tp_refusal(model: nn.Module, layout: ModelLayout, noise: Noise, record: Rec
 
 
 def _noise(model: nn.Module) -> tuple[Noise | str | None, Record]:
-    """The verdict for `model`'s family (kept in its record)."""
+    """The verdict for `model`'s family (kept in its record and on disk, the Noise as its keys)."""
     record = record_of(model)
-    return record.derived("noise", lambda: _verdict(record)), record
+
+    def compute() -> dict | str | None:
+        verdict = _verdict(record)
+        return {"keys": verdict.keys} if isinstance(verdict, Noise) else verdict
+
+    kept = record.derived("noise", compute, on_disk=True)
+    return (Noise(kept["keys"]) if isinstance(kept, dict) else kept), record
 
 
 def check_randomness(model: nn.Module, layout: ModelLayout | None = None) -> ModelLayout | None:

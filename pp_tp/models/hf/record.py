@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pp_tp.base.disk_memo import disk_memo, source_digest
 from pp_tp.base.tensors import persistent_buffers
 from pp_tp.errors import ConfigError
 from pp_tp.models.hf.small import small_config
@@ -189,10 +190,20 @@ class Record:
         """A fresh copy of the seeded small model (eval), for a check that changes values."""
         return copy.deepcopy(self._pristine)
 
-    def derived(self, key: Any, compute: Callable[[], Any]) -> Any:
-        """`compute()`, once per record and key."""
+    def derived(self, key: Any, compute: Callable[[], Any], on_disk: bool = False) -> Any:
+        """`compute()`, once per record and key; `on_disk` (a JSON value, `key` a string): once per machine for
+        the family's class, its file, the small config and the versions (base/disk_memo.py), so the ranks of a node
+        share one computation."""
         if key not in self.memo:
-            self.memo[key] = compute()
+            digest = source_digest(self.cls) if on_disk else None
+            if digest is None:
+                self.memo[key] = compute()
+            else:
+                import transformers  # here, so importing pp_tp does not import transformers
+
+                small = self.small.to_json_string(use_diff=False)
+                parts = [self.cls.__module__, self.cls.__qualname__, digest, small]
+                self.memo[key] = disk_memo([*parts, transformers.__version__, torch.__version__, key], compute)
         return self.memo[key]
 
     def train(self) -> tuple[list[Event], bool]:

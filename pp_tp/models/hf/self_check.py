@@ -6,8 +6,8 @@ so restored buffers are checked too) runs against the model's own `forward` on a
 of its config: 2+ layers covering every attention and MLP type, tiny widths kept self-consistent, a sequence
 longer than any sliding window, CPU, fp32, fixed seed, every parameter and persistent buffer copied. A family
 whose forward does anything the layout does not know is refused in one line naming its class. The verdict is
-deterministic (every rank reaches the same one) and kept in the family's record (record.py), so it costs seconds
-once. The small copy is small.py's; the model it is compared with is the record's seeded copy.
+deterministic (every rank reaches the same one) and kept in the family's record (record.py) and on disk, so it costs
+seconds once per machine. The small copy is small.py's; the model it is compared with is the record's seeded copy.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def self_check(model: nn.Module, compose: Callable[[nn.Module], ModelLayout]) ->
         ) from None
     try:
         record = record_of(model)
-        why = record.derived("self_check", lambda: _verdict(record, compose))
+        why = record.derived("self_check", lambda: _verdict(record, compose), on_disk=True)
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - a small copy that cannot be built is a reason to refuse
