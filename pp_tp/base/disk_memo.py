@@ -76,7 +76,10 @@ def disk_memo(parts: list[Any], compute: Callable[[], Any]) -> Any:
     except OSError:
         return compute()
     with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when this process dies
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when this process dies
+        except OSError:
+            pass  # a file system without locks (some network mounts): computed here, written whole all the same
         try:
             return _read(path)  # written by the process this one waited for
         except (OSError, ValueError, KeyError):
