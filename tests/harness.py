@@ -50,8 +50,11 @@ _PRELOAD = ["torch", "torch.distributed.pipelining", "torch.distributed.tensor",
 _PRELOAD += [
     module
     for package, modules in (
-        ("transformers", ["transformers.modeling_utils", "transformers.models.auto.modeling_auto"]),
-        ("transformers", ["pp_tp.models.hf.build", "transformers.models.llama.modeling_llama", "hf_utils"]),
+        (
+            "transformers",
+            ["transformers.modeling_utils", "transformers.models.auto.modeling_auto", "pp_tp.models.hf.build"]
+            + ["transformers.models.llama.modeling_llama", "hf_utils"],
+        ),
         ("trl", ["pp_tp.integrations.hf_trainer", "pp_tp.integrations.hf_sft"]),
         ("torchtitan", ["titan_utils"]),
     )
@@ -90,13 +93,13 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
             break
         case_id, fn, args, kwargs = task
         try:
-            results.put((case_id, rank, True, fn(*args, **kwargs), _threads()))
+            results.put((case_id, rank, True, fn(*args, **kwargs), os_threads()))
         except BaseException:  # noqa: BLE001 - everything goes back to the test
-            results.put((case_id, rank, False, traceback.format_exc(), _threads()))
+            results.put((case_id, rank, False, traceback.format_exc(), os_threads()))
     dist.destroy_process_group()
 
 
-def _threads() -> int:
+def os_threads() -> int:
     """This process's OS threads (gloo's are native: `threading` does not see them); 0 where /proc is missing."""
     try:
         return len(os.listdir("/proc/self/task"))

@@ -3,11 +3,11 @@ build's mesh and tied-weight groups, and both builds pass the float64 verdict ag
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
 import parity_utils as pu
 import torch.distributed as dist
+from harness import os_threads  # every gloo group keeps its own threads: they count the groups made
 
 TIED = replace(pu.TINY, tie_embeddings=True)
 CASES = {  # the tied copies on both pp ranks (a group per tp rank), and on pp ranks 0 and 3 of 4 (a subset of pp)
@@ -16,27 +16,22 @@ CASES = {  # the tied copies on both pp ranks (a group per tp rank), and on pp r
 }
 
 
-def _threads() -> int:
-    """Every gloo group keeps its own threads: a rank's OS threads count the groups it made."""
-    return len(os.listdir("/proc/self/task"))
-
-
 def twice_case() -> dict:
     out = {}
     for name, kw in CASES.items():
         pcfg = pu.pcfg_of(**kw)
         first = pu.compare(pcfg, TIED)
-        before = _threads()
+        before = os_threads()
         second = pu.compare(pcfg, TIED, steps=2)
         out[name] = dict(
             first=first,
             second=second,
             same_mesh=pu.mesh_for(pcfg) is pu.mesh_for(pcfg),
-            made_by_second=_threads() - before,
+            made_by_second=os_threads() - before,
         )
-    before = _threads()
+    before = os_threads()
     dist.new_group(list(range(dist.get_world_size())))  # what making a group shows in the count
-    out["made_by_new_group"] = _threads() - before
+    out["made_by_new_group"] = os_threads() - before
     return out
 
 

@@ -199,11 +199,8 @@ class Record:
             if digest is None:
                 self.memo[key] = compute()
             else:
-                import transformers  # here, so importing pp_tp does not import transformers
-
-                small = self.small.to_json_string(use_diff=False)
-                parts = [self.cls.__module__, self.cls.__qualname__, digest, small]
-                self.memo[key] = disk_memo([*parts, transformers.__version__, torch.__version__, key], compute)
+                parts = [self.cls.__module__, self.cls.__qualname__, digest, *_config_key(self.small)]
+                self.memo[key] = disk_memo([*parts, torch.__version__, key], compute)
         return self.memo[key]
 
     def train(self) -> tuple[list[Event], bool]:
@@ -236,12 +233,17 @@ def spread_copy(model: nn.Module) -> nn.Module:
 _RECORDS: dict[tuple[type, str, str], Record] = {}
 
 
-def record_of(model: nn.Module) -> Record:
-    """The record of `model`'s family (its class and small config), built on first use."""
+def _config_key(small: Any) -> tuple[str, str]:
+    """The small config and the transformers version a record is a function of (beside its class)."""
     import transformers  # here, so importing pp_tp does not import transformers
 
+    return small.to_json_string(use_diff=False), transformers.__version__
+
+
+def record_of(model: nn.Module) -> Record:
+    """The record of `model`'s family (its class and small config), built on first use."""
     small = small_config(model.config)
-    key = (type(model), small.to_json_string(use_diff=False), transformers.__version__)
+    key = (type(model), *_config_key(small))
     if key not in _RECORDS:
         try:
             _RECORDS[key] = Record(type(model), small)
