@@ -51,6 +51,15 @@ def world():
     close_all(list(_worlds.values()))
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    """Under `-n 2 --dist loadgroup` (the README's command), every test on a session world runs on one worker, in
+    this order, while the other worker runs the single-process tests and the launched jobs."""
+    for item in items:
+        if "world" in item.fixturenames:
+            item.add_marker(pytest.mark.xdist_group("worlds"))
+
+
 def pytest_sessionfinish(session):
     if _CACHE is not None:
         shutil.rmtree(_CACHE, ignore_errors=True)
