@@ -11,7 +11,6 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from parity_utils import mesh_for
 
 import pp_tp
 from pp_tp.base.tensors import full_tensor
@@ -40,7 +39,7 @@ def float64_column(
     switch_off_noise(plain, noise)
     pcfg = replace(pcfg, dtype="float64")
     try:
-        pipe = pp_tp.build_pipeline(model, mesh_for(pcfg), pcfg)
+        pipe = pp_tp.build_pipeline(model, pp_tp.build_mesh(pcfg), pcfg)
         for part in pipe.model_parts:
             switch_off_noise(part, noise)
         ref = ReferenceRun(float64_model(plain, layout_for(plain)), no_update)

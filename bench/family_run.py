@@ -13,7 +13,7 @@ import common  # noqa: F401  (puts tests/ on the path: parity_utils)
 import torch
 from family_catalog import default_config, layout_name, parallel_config, text_config_class
 from family_float64 import float64_column
-from parity_utils import batch, mesh_for
+from parity_utils import batch
 from transformers import AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -137,7 +137,7 @@ def family_case(model_type: str, moe_layout: str = "ep", float64: bool = False) 
         step_reference(plain, ids, labels)
     except Skip as e:
         return {"skipped": str(e)}
-    mesh = mesh_for(pcfg)
+    mesh = pp_tp.build_mesh(pcfg)
     try:
         pipe = pp_tp.build_pipeline(pipelined, mesh, pcfg)
     except ConfigError as e:

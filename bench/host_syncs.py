@@ -32,7 +32,7 @@ LAYOUTS = {
 def syncs_case(args: pu.ModelArgs, **kw) -> dict:
     """The host syncs of the second step on this rank, by caller; the loss; MoE layer calls (layers x microbatches)."""
     pcfg = pu.pcfg_of(**kw)
-    mesh = pu.mesh_for(pcfg)
+    mesh = pp_tp.build_mesh(pcfg)
     pipe = pp_tp.build_pipeline(pu.make_model(args, device="meta"), mesh, pcfg)
     ids, labels = pu.batch(args, 8, 8)
     rows = 8 // pcfg.dp

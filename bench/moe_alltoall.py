@@ -24,6 +24,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from harness import World  # noqa: E402
 from torch import nn  # noqa: E402
 
+import pp_tp
+
 DIM, EXPERTS, TOP_K, BATCH, SEQ, MICROBATCHES = 64, 8, 2, 8, 64, 2
 
 
@@ -61,14 +63,13 @@ def case(ep: int) -> dict:
 
     import parity_utils as pu
 
-    import pp_tp
     from pp_tp.models.reference.model import ModelArgs
     from pp_tp.parallel import expert_dispatch
 
     args = ModelArgs(vocab_size=256, dim=DIM, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=SEQ,
                      n_experts=EXPERTS, top_k=TOP_K, moe_ffn_dim=64)  # fmt: skip
     pcfg = pu.pcfg_of(pp=1, dp_shard=4, ep=ep, microbatches=MICROBATCHES)
-    mesh = pu.mesh_for(pcfg)
+    mesh = pp_tp.build_mesh(pcfg)
     pipe = pp_tp.build_pipeline(pu.make_model(args, device="meta"), mesh, pcfg, seed=0)
     ids, labels = pu.batch(args, BATCH, SEQ)
     share = slice(pp_tp.parallel.mesh.dp_rank(mesh) * 2, pp_tp.parallel.mesh.dp_rank(mesh) * 2 + 2)

@@ -31,6 +31,8 @@ import torch.distributed as dist
 from common import World, table
 from moe_alltoall import routed_rows
 
+import pp_tp
+
 CONFIG = dict(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
               max_position_embeddings=256, norm_topk_prob=True)  # fmt: skip
@@ -55,12 +57,11 @@ def _pp_tp(path: str, ep: int, state: dict[str, torch.Tensor]):
     """A pp_tp step on this rank's share and the modules holding its experts."""
     import parity_utils as pu
 
-    import pp_tp
     from pp_tp.models.hf.build import hf_causal_lm, hf_config
 
     pcfg = pu.pcfg_of(pp=1, dp_shard=2, ep=ep)
     meta = hf_causal_lm(hf_config(path), "meta")
-    pipe = pp_tp.build_pipeline(meta, pu.mesh_for(pcfg), pcfg, state_dict={k: v.clone() for k, v in state.items()})
+    pipe = pp_tp.build_pipeline(meta, pp_tp.build_mesh(pcfg), pcfg, state_dict={k: v.clone() for k, v in state.items()})
     opt = torch.optim.AdamW([p for part in pipe.model_parts for p in part.parameters()], lr=1e-4)
 
     def step(ids: torch.Tensor, labels: torch.Tensor) -> float:

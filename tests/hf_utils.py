@@ -177,7 +177,7 @@ def family_case(fam: Family, kw: dict, batch: int = 8, memo: dict | None = None)
     state = seeded_state(model)
     model.load_state_dict(state, strict=False)
     assert all(torch.equal(b, state[k]) for k, b in persistent_buffers(model).items())
-    pipe = pp_tp.build_pipeline(fam.make("meta"), pu.mesh_for(pcfg), pcfg, state_dict=state)
+    pipe = pp_tp.build_pipeline(fam.make("meta"), pp_tp.build_mesh(pcfg), pcfg, state_dict=state)
     shared = memo is not None and steps == 1
     ref = _FirstStepOnce(model, memo, (fam, batch)) if shared else pu.ReferenceRun(model, pu.adamw())
     run = pu.PipelineRun(pipe, pu.adamw())

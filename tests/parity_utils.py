@@ -22,12 +22,6 @@ from pp_tp.parity import PipelineRun, ReferenceRun, StepDiff, lockstep, rel_err 
 TINY = ModelArgs(vocab_size=96, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=32)
 
 
-def mesh_for(pcfg: ParallelConfig) -> DeviceMesh:
-    """The world's mesh of this shape: pp_tp makes one per shape (base/per_world.py), so every case of a shape holds
-    the same mesh object and its groups, and DTensor's sharding caches stay sound across cases (tests/harness.py)."""
-    return pp_tp.build_mesh(pcfg)
-
-
 def flat_mesh(n: int) -> DeviceMesh:
     """A 1-D mesh over the first n ranks of the world, made once per world like pp_tp's own meshes."""
     return once_per_world(("tests: flat mesh", n), lambda: init_device_mesh("cpu", (n,)))
@@ -120,7 +114,7 @@ def pipeline(
     max_norm: float | None = None,
 ) -> PipelineRun:
     """The pipelined build on the same weights."""
-    pipe = pp_tp.build_pipeline(make_model(args, hf, device="meta"), mesh_for(pcfg), pcfg, state_dict=state)
+    pipe = pp_tp.build_pipeline(make_model(args, hf, device="meta"), pp_tp.build_mesh(pcfg), pcfg, state_dict=state)
     return PipelineRun(pipe, adamw(lr), max_norm)
 
 

@@ -70,7 +70,7 @@ def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
 
 def _sources_case(folder: str) -> dict:
     pcfg = pu.pcfg_of(pp=2, schedule="GPipe", microbatches=1)
-    mesh = pu.mesh_for(pcfg)
+    mesh = pp_tp.build_mesh(pcfg)
     model = _glm()
     want = {k: b.clone() for k, b in persistent_buffers(model).items()}
     out: dict = {}
@@ -149,7 +149,7 @@ def test_a_checkpoint_without_a_buffer_is_refused_before_any_collective(tmp_path
 def _seeded_apertus() -> str:
     pcfg = pu.pcfg_of(pp=2, schedule="GPipe", microbatches=1)
     try:
-        pp_tp.build_pipeline(make("apertus", "meta"), pu.mesh_for(pcfg), pcfg)
+        pp_tp.build_pipeline(make("apertus", "meta"), pp_tp.build_mesh(pcfg), pcfg)
     except ConfigError as e:
         return str(e)
     return ""

@@ -36,7 +36,7 @@ def test_unknown_keyword_fails_before_anything_is_built():
 def keywords_and_options_case() -> dict:
     """The same pipeline from build_pipeline's keywords and from options=: same options, values, streams and loss."""
     pcfg = pu.pcfg_of(pp=2, schedule="1F1B", microbatches=2)
-    mesh = pu.mesh_for(pcfg)
+    mesh = pp_tp.build_mesh(pcfg)
     by_kw = pp_tp.build_pipeline(pu.make_model(device="meta"), mesh, pcfg, **KEYWORDS)
     by_opts = pp_tp.build_pipeline(pu.make_model(device="meta"), mesh, pcfg, options=BuildOptions(**KEYWORDS))
     ids, labels = pu.batch(pu.TINY, 4, 16)

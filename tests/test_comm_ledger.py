@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from one_trip import run_cases
 
+import pp_tp
 from pp_tp.diagnostics.comm_ledger import CommLedger
 
 ARGS8 = replace(pu.TINY, n_layers=8)
@@ -80,7 +81,7 @@ def ledger_case(kw: dict, args=pu.TINY, steps: int = 2, gather_fix: bool = True)
     from pp_tp.runtime import pipeline
 
     pcfg = pu.pcfg_of(**kw)
-    mesh = pu.mesh_for(pcfg)
+    mesh = pp_tp.build_mesh(pcfg)
     fix = pipeline._gather_params_once
     pipeline._gather_params_once = fix if gather_fix else (lambda schedule: None)
     try:

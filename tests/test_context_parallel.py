@@ -20,6 +20,7 @@ import pytest
 import torch
 from one_trip import run_cases
 
+import pp_tp
 from pp_tp.config import ParallelConfig, config_from_dict, resolve_parallel, validate
 from pp_tp.errors import ConfigError
 from pp_tp.parallel.fsdp import grad_factor
@@ -67,7 +68,7 @@ def _compare(pcfg: ParallelConfig, hf: bool = False, model=None, steps: int = 2,
     state = {k: v.detach().clone() for k, v in model().state_dict().items()}
     ids, labels = pu.batch(pu.TINY, 8, 16)
     ref = pu.ReferenceRun(_loaded(model, state), pu.adamw(), 1.0)
-    pipe = pu.pp_tp.build_pipeline(model(device="meta"), pu.mesh_for(pcfg), pcfg, state_dict=copy.deepcopy(state))
+    pipe = pu.pp_tp.build_pipeline(model(device="meta"), pp_tp.build_mesh(pcfg), pcfg, state_dict=copy.deepcopy(state))
     run = pu.PipelineRun(pipe, pu.adamw(), 1.0)
     result = pu.summary(list(pu.lockstep(run, ref, [(ids, labels)] * steps)))
     pp_rank = pipe.mesh["pp"].get_local_rank()
@@ -94,7 +95,7 @@ def _mistral(device: str = "cpu"):
 
 def _chunks(_: int) -> list:
     """Runs on every rank: which positions this cp rank holds and the mask it builds (pp2 x cp2, seq 8)."""
-    mesh = pu.mesh_for(pu.pcfg_of(pp=2, cp=2))
+    mesh = pp_tp.build_mesh(pu.pcfg_of(pp=2, cp=2))
     from pp_tp.parallel.context_parallel import ContextParallel
 
     cp = ContextParallel(mesh)

@@ -78,7 +78,7 @@ def document_case(name: str, layout: dict = PP2_TP2, layers: int = 2) -> dict:
     model = _model(name, layers=layers)
     state = _state(model)
     model.load_state_dict(state, strict=False)
-    pipe = pp_tp.build_pipeline(_model(name, "meta", layers), pu.mesh_for(pcfg), pcfg, state_dict=state)
+    pipe = pp_tp.build_pipeline(_model(name, "meta", layers), pp_tp.build_mesh(pcfg), pcfg, state_dict=state)
     run = pu.PipelineRun(pipe, pu.adamw())
     ref = pu.ReferenceRun(model, pu.adamw(), loss_of=_per_document_loss)
     ids, labels, positions = _packed_batch(4)

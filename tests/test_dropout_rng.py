@@ -57,7 +57,9 @@ def _state() -> dict[str, torch.Tensor]:
 
 def _pipe(dropout: float, **kw) -> pp_tp.Pipeline:
     pcfg = pu.pcfg_of(**{**PCFG, **kw})
-    return pp_tp.build_pipeline(_seed_oss(dropout, "meta"), pu.mesh_for(pcfg), pcfg, state_dict=_state(), rng_seed=3)
+    return pp_tp.build_pipeline(
+        _seed_oss(dropout, "meta"), pp_tp.build_mesh(pcfg), pcfg, state_dict=_state(), rng_seed=3
+    )
 
 
 def _step(pipe: pp_tp.Pipeline) -> float:
@@ -133,7 +135,7 @@ def _noise_case() -> dict:
     noise on, every dp replica fed the same tokens."""
     state = pu.seeded({k: v.shape for k, v in _phimoe("meta").named_parameters()}, scale=0.2, norm=0.0)
     pcfg = pu.pcfg_of(**{**PCFG, "pp": 1})
-    pipe = pp_tp.build_pipeline(_phimoe("meta", 0.0), pu.mesh_for(pcfg), pcfg, state_dict=state, rng_seed=3)
+    pipe = pp_tp.build_pipeline(_phimoe("meta", 0.0), pp_tp.build_mesh(pcfg), pcfg, state_dict=state, rng_seed=3)
     for part in pipe.model_parts:  # the noise on after the build: this test is about the streams it draws from
         for module in part.modules():
             if hasattr(module, "router_jitter_noise"):

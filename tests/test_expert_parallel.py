@@ -60,7 +60,7 @@ def _alltoall_case(kw: dict) -> dict:
     from pp_tp.diagnostics.comm_ledger import CommLedger
 
     pcfg = pu.pcfg_of(**kw)
-    mesh = pu.mesh_for(pcfg)
+    mesh = pp_tp.build_mesh(pcfg)
     pipe = pp_tp.build_pipeline(make("mixtral_moe", "meta"), mesh, pcfg)
     ids, labels = pu.batch(ModelArgs(vocab_size=VOCAB), 8, SEQ)
     share = slice(pp_tp.parallel.mesh.dp_rank(mesh) * 4, pp_tp.parallel.mesh.dp_rank(mesh) * 4 + 4)

@@ -188,7 +188,7 @@ def toy_case(kw: dict) -> dict:
     state = _toy_state()
     ref_model = _toy("cpu")
     ref_model.load_state_dict(state, strict=False)
-    pipe = pp_tp.build_pipeline(_toy("meta"), pu.mesh_for(pcfg), pcfg, state_dict=copy.deepcopy(state))
+    pipe = pp_tp.build_pipeline(_toy("meta"), pp_tp.build_mesh(pcfg), pcfg, state_dict=copy.deepcopy(state))
     run, ref = PipelineRun(pipe, pu.adamw()), ReferenceRun(ref_model, pu.adamw())
     ids, labels = pu.batch(MOE, 8, 16)
     result = pu.summary(list(lockstep(run, ref, [(ids, labels)] * 2)))

@@ -53,7 +53,7 @@ def float64_case(name: str, kw: dict) -> dict[str, tuple[float, str]]:
     model = fam.make()
     state = seeded_state(model)
     model.load_state_dict(state, strict=False)
-    pipe = pp_tp.build_pipeline(fam.make("meta"), pu.mesh_for(pcfg), pcfg, state_dict=state)
+    pipe = pp_tp.build_pipeline(fam.make("meta"), pp_tp.build_mesh(pcfg), pcfg, state_dict=state)
     run = pu.PipelineRun(pipe, pu.adamw())
     ref = pu.ReferenceRun(float64_model(model, layout_for(model)), pu.adamw())
     worst: dict[str, tuple[float, str]] = {}

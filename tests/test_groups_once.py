@@ -9,6 +9,8 @@ import parity_utils as pu
 import torch.distributed as dist
 from harness import os_threads  # every gloo group keeps its own threads: they count the groups made
 
+import pp_tp
+
 TIED = replace(pu.TINY, tie_embeddings=True)
 CASES = {  # the tied copies on both pp ranks (a group per tp rank), and on pp ranks 0 and 3 of 4 (a subset of pp)
     "pp2_tp2": dict(pp=2, tp=2, schedule="1F1B", microbatches=2, embedding="vocab_parallel"),
@@ -26,7 +28,7 @@ def twice_case() -> dict:
         out[name] = dict(
             first=first,
             second=second,
-            same_mesh=pu.mesh_for(pcfg) is pu.mesh_for(pcfg),
+            same_mesh=pp_tp.build_mesh(pcfg) is pp_tp.build_mesh(pcfg),
             made_by_second=os_threads() - before,
         )
     before = os_threads()

@@ -28,7 +28,7 @@ def roundtrip_case(tmp: str, pcfg_kw: dict, tie: bool, lr: float = 0.5) -> dict:
         hu.llama(config).save_pretrained(src, max_shard_size="60KB")  # several files + index
     dist.barrier()
     pcfg = pu.pcfg_of(**pcfg_kw)
-    pipe = pp_tp.build_pipeline(hu.llama(config, "meta"), pu.mesh_for(pcfg), pcfg, checkpoint=src)
+    pipe = pp_tp.build_pipeline(hu.llama(config, "meta"), pp_tp.build_mesh(pcfg), pcfg, checkpoint=src)
 
     def sgd(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=lr)
@@ -84,7 +84,7 @@ def per_part_case(tmp: str) -> dict:
         model.save_pretrained(src)
     dist.barrier()
     pcfg = pu.pcfg_of(pp=1, tp=2, microbatches=1)
-    pipe = pp_tp.build_pipeline(make("phi3_mha", device="meta"), pu.mesh_for(pcfg), pcfg, checkpoint=src)
+    pipe = pp_tp.build_pipeline(make("phi3_mha", device="meta"), pp_tp.build_mesh(pcfg), pcfg, checkpoint=src)
     want = hu.from_pretrained(src).state_dict()
     named = dict(pipe.model_parts[0].named_parameters())
     pipe.save_pretrained(out)
@@ -107,7 +107,7 @@ def bf16_case(tmp: str) -> dict:
     dist.barrier()
     pcfg = pu.pcfg_of(pp=2, microbatches=2)
     meta = hu.llama(hu.llama_config(), "meta")  # fp32 (save_pretrained above set `config`'s dtype to bf16)
-    pipe = pp_tp.build_pipeline(meta, pu.mesh_for(pcfg), pcfg, checkpoint=tmp)
+    pipe = pp_tp.build_pipeline(meta, pp_tp.build_mesh(pcfg), pcfg, checkpoint=tmp)
     want = {k: v.float() for k, v in hu.from_pretrained(tmp).to(torch.bfloat16).state_dict().items()}
     named = {k: p for part in pipe.model_parts for k, p in part.named_parameters()}
     return {
@@ -143,7 +143,7 @@ def memory_case(tmp: str) -> dict:
     dist.barrier()
     size = os.path.getsize(os.path.join(tmp, "model.safetensors"))
     pcfg = pu.pcfg_of(pp=4, microbatches=4)
-    mesh = pu.mesh_for(pcfg)
+    mesh = pp_tp.build_mesh(pcfg)
     model = hu.llama(config, "meta")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets the peak RSS (VmHWM) to the current RSS

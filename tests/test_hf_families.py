@@ -151,7 +151,7 @@ def _per_block_collectives(name: str) -> dict[tuple[str, str], float]:
     pcfg = pu.pcfg_of(tp=2, microbatches=1, **{k: v for k, v in TP.items() if k != "tp"})
     counts = []
     for layers in (2, 4):
-        pipe = pp_tp.build_pipeline(make(name, "meta", layers), pu.mesh_for(pcfg), pcfg)
+        pipe = pp_tp.build_pipeline(make(name, "meta", layers), pp_tp.build_mesh(pcfg), pcfg)
         with _CollectiveLog() as log:
             pipe.step(*pu.batch(ModelArgs(vocab_size=VOCAB), 2, SEQ))
         per_op: Counter = Counter()

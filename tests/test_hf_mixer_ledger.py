@@ -27,7 +27,7 @@ def _added_block(name: str, layers: tuple[int, int]) -> dict:
     pcfg = pu.pcfg_of(pp=1, tp=2, schedule="1F1B", microbatches=MICROBATCHES)
     counts = []
     for n in layers:
-        pipe = pp_tp.build_pipeline(mx.FAMILIES[name].make("meta", n), pu.mesh_for(pcfg), pcfg)
+        pipe = pp_tp.build_pipeline(mx.FAMILIES[name].make("meta", n), pp_tp.build_mesh(pcfg), pcfg)
         with _CollectiveLog() as log:
             pipe.step(*pu.batch(ModelArgs(vocab_size=VOCAB), ROWS, SEQ))
         counts.append(Counter(log.calls))

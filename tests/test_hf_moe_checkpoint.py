@@ -104,7 +104,7 @@ def load_case(tmp: str) -> list[dict]:
         for layout in ("pp2_ep2", "pp2_tp2"):
             kw = LAYOUTS[layout]
             pcfg = pu.pcfg_of(**kw)
-            mesh = pu.mesh_for(pcfg)
+            mesh = pp_tp.build_mesh(pcfg)
             pipe, read = _reading(make(name, "meta"), mesh, pcfg, checkpoint=src)
             loaded = _compare(pipe, want)
             torch.manual_seed(0)
@@ -131,7 +131,7 @@ def fp8_case(tmp: str) -> dict:
         mu.dequantized_dir(fp8, deq, BLOCK)
     dist.barrier()
     pcfg = pu.pcfg_of(**LAYOUTS["pp2_ep2"])
-    pipe = pp_tp.build_pipeline(make("deepseek_v3", "meta"), pu.mesh_for(pcfg), pcfg, checkpoint=fp8)
+    pipe = pp_tp.build_pipeline(make("deepseek_v3", "meta"), pp_tp.build_mesh(pcfg), pcfg, checkpoint=fp8)
     return {**_compare(pipe, _from_pretrained(deq)), "worst_vs_original": _worst(pipe, _from_pretrained(src)),
             "casts": dict(pipe.checkpoint_casts)}  # fmt: skip
 
@@ -155,7 +155,7 @@ def mxfp4_case(tmp: str) -> list[dict]:
     want, orig, out = _from_pretrained(q), _from_pretrained(src), []
     for layout in ("pp2_ep2", "pp2_tp2"):
         pcfg = pu.pcfg_of(**LAYOUTS[layout])
-        mesh = pu.mesh_for(pcfg)
+        mesh = pp_tp.build_mesh(pcfg)
         pipe, read = _reading(make("gpt_oss", "meta"), mesh, pcfg, checkpoint=q)
         boxes = [(k, off, shape) for k, off, shape in read if k.endswith("_blocks")]
         ep_rank = mesh["ep"].get_local_rank() if layout == "pp2_ep2" else None
@@ -214,7 +214,7 @@ def roundtrip_case(tmp: str, name: str, layout: str) -> dict:
     for the pairs of ROUNDTRIPS)."""
     src = _saved(tmp, name)
     pcfg = pu.pcfg_of(**LAYOUTS[layout])
-    mesh = pu.mesh_for(pcfg)
+    mesh = pp_tp.build_mesh(pcfg)
     pipe = pp_tp.build_pipeline(make(name, "meta"), mesh, pcfg, checkpoint=src)
     run, (ids, labels) = pu.PipelineRun(pipe, pu.adamw()), _batch()
     for _ in range(2):

@@ -34,7 +34,7 @@ def count_case(eps: float) -> int:
         with torch.device("meta"):
             model = T.LlamaForCausalLM(T.LlamaConfig(**BASE, rms_norm_eps=eps))
         pcfg = pu.pcfg_of(pp=2, tp=2, microbatches=2)
-        pp_tp.build_pipeline(model, pu.mesh_for(pcfg), pcfg, seed=0, seq_len=16)
+        pp_tp.build_pipeline(model, pp_tp.build_mesh(pcfg), pcfg, seed=0, seq_len=16)
     finally:
         T.LlamaModel.forward = original
     return len(calls)

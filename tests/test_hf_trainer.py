@@ -17,6 +17,7 @@ import parity_utils as pu
 import pytest
 import torch
 
+import pp_tp
 from pp_tp.errors import ConfigError
 from pp_tp.parity import rel_err
 
@@ -84,7 +85,7 @@ def pipeline_case(out: str, parallel: dict, model_fn=_llama, resume: str | None 
     def run(output_dir: str, resume_from: str | None) -> PipelineTrainer:
         model = model_fn()
         trainer = PipelineTrainer(model, _args(output_dir, **kw), train_dataset=_data(model.config.vocab_size),
-                                  parallel=pcfg, mesh=pu.mesh_for(pcfg))  # fmt: skip
+                                  parallel=pcfg, mesh=pp_tp.build_mesh(pcfg))  # fmt: skip
         trainer.train(resume_from_checkpoint=resume_from)
         return trainer
 
@@ -100,7 +101,7 @@ def pipeline_case(out: str, parallel: dict, model_fn=_llama, resume: str | None 
 
         with torch.device("meta"):
             meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(meta_from), attn_implementation="sdpa")
-        trainer = PipelineTrainer(meta, _args(out + "_meta", **kw), parallel=pcfg, mesh=pu.mesh_for(pcfg))
+        trainer = PipelineTrainer(meta, _args(out + "_meta", **kw), parallel=pcfg, mesh=pp_tp.build_mesh(pcfg))
         result["meta_eval"] = _eval(trainer)
     return result
 
@@ -244,7 +245,7 @@ def sft_case(out: str, data: str, parallel: dict) -> list:
     pcfg = pu.pcfg_of(**parallel)
     dataset, tokenizer = _sft_parts(data)
     trainer = PipelineSFTTrainer(_llama(), _sft_args(out), train_dataset=dataset, processing_class=tokenizer,
-                                 parallel=pcfg, mesh=pu.mesh_for(pcfg))  # fmt: skip
+                                 parallel=pcfg, mesh=pp_tp.build_mesh(pcfg))  # fmt: skip
     trainer.train()
     return _history(trainer)
 

@@ -27,7 +27,7 @@ def test_the_counter_sees_reads_that_bypass_dispatch():
 
 
 def _both_layouts() -> dict:
-    """The dense and the MoE case in one round trip (the meshes are parity_utils.mesh_for's: tests/one_trip.py)."""
+    """The dense and the MoE case in one round trip (the meshes are pp_tp.build_mesh's: tests/one_trip.py)."""
     return {name: syncs_case(args, **kw) for name, (args, kw) in LAYOUTS.items()}
 
 

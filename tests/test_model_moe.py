@@ -210,7 +210,7 @@ def _parity(pcfg, args) -> dict:
 
 def _seeded(pcfg, args) -> float:
     """The seeded build's parameters and router biases against the plain model's init_weights."""
-    pipe = pp_tp.build_pipeline(pu.make_model(args, device="meta"), pu.mesh_for(pcfg), pcfg, seed=5)
+    pipe = pp_tp.build_pipeline(pu.make_model(args, device="meta"), pp_tp.build_mesh(pcfg), pcfg, seed=5)
     plain = pu.make_model(args)
     plain.init_weights(5)
     want = {**dict(plain.named_parameters()), **persistent_buffers(plain)}

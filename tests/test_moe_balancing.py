@@ -100,7 +100,7 @@ def balancing_case(name: str, kw: dict, coef: float, rate: float, steps: int = 2
     (after `steps`), and whether tokens_per_expert equalled the plain slot counts on every step. The plain run is the
     same on every rank: rank `owner` runs it and sends it to the others."""
     pcfg = pu.pcfg_of(**kw)
-    mesh = pu.mesh_for(pcfg)
+    mesh = pp_tp.build_mesh(pcfg)
     hf = name not in ("moe", "moe_sigmoid")
     state = seeded_state(_model(name)) if hf else pu.reference_state(MOE if name == "moe" else MOE_SIGMOID)
     args = ModelArgs(vocab_size=VOCAB) if hf else MOE

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import math
 
-import parity_utils as pu
 import pytest
 import torch
 from train_utils import job
 
+import pp_tp
 from pp_tp.config import config_from_dict
 from pp_tp.train.nonfinite import NonFiniteError
 
@@ -19,7 +19,7 @@ def nan_case(d: dict, restore: bool) -> list:
     from pp_tp.train.trainer import Trainer
 
     cfg = config_from_dict(d)
-    trainer, saved = Trainer(cfg, mesh=pu.mesh_for(cfg.parallel)), {}
+    trainer, saved = Trainer(cfg, mesh=pp_tp.build_mesh(cfg.parallel)), {}
 
     def before_step(step: int) -> None:
         for part in trainer.pipe.model_parts:
@@ -40,7 +40,7 @@ def nan_case(d: dict, restore: bool) -> list:
 
 
 def both_cases() -> dict[str, list]:
-    """The stopping and the skipping job in one round trip, on the session's meshes (parity_utils.mesh_for)."""
+    """The stopping and the skipping job in one round trip, on the session's meshes (pp_tp.build_mesh)."""
     return {
         "stop": nan_case(job(training={"steps": 3}), False),
         "skip": nan_case(job(training={"steps": 3, "skip_nonfinite": True}), True),

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from parity_utils import adamw, assert_parity, mesh_for, pcfg_of, summary
+from parity_utils import adamw, assert_parity, pcfg_of, summary
 from torch import nn
 from train_utils import REPO
 
@@ -87,7 +87,7 @@ def _compare(kind: str, loss, normalizer: str, **pkw) -> dict:
     model.load_state_dict(state)
     ref = ReferenceRun(model, adamw(), loss=SumLoss(loss, normalizer))
     pipe = pp_tp.build_pipeline(
-        _model(kind, "meta"), mesh_for(pcfg), pcfg, state_dict=copy.deepcopy(state), loss_fn=loss,
+        _model(kind, "meta"), pp_tp.build_mesh(pcfg), pcfg, state_dict=copy.deepcopy(state), loss_fn=loss,
         loss_normalizer=normalizer,
     )  # fmt: skip
     run = TargetsOnLastStage(pipe, adamw())
@@ -131,7 +131,7 @@ def _all_cases() -> tuple[list[dict], list[float], int]:
     parity = [_compare(kind, loss, norm, **kw) for kind, loss, norm, kw in CASES]
     rows = train(load_config(CREDIT_TOML, TRAIN_STEPS))
     vit = load_config(VIT_TOML, VIT_FSDP)
-    return parity, [r["loss"] for r in rows], run_parity(vit, 2, mesh=mesh_for(vit.parallel))
+    return parity, [r["loss"] for r in rows], run_parity(vit, 2, mesh=pp_tp.build_mesh(vit.parallel))
 
 
 def test_nonlm_parity_tp_collectives_and_shipped_tomls(world):

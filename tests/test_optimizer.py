@@ -17,7 +17,7 @@ def foreach_case() -> dict:
     t = TrainingConfig()
     params, lr = {}, None
     for kind in ("trainer", "per_tensor"):
-        pipe = pp_tp.build_pipeline(pu.make_model(device="meta"), pu.mesh_for(pcfg), pcfg)
+        pipe = pp_tp.build_pipeline(pu.make_model(device="meta"), pp_tp.build_mesh(pcfg), pcfg)
         if kind == "trainer":
             optimizers, _ = build_optimizers(pipe.model_parts, t)
             lr = optimizers[0].param_groups[0]["lr"]  # the LR schedule's first value (warm-up)

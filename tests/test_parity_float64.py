@@ -9,10 +9,10 @@ import contextlib
 import io
 import os
 
-import parity_utils as pu
 import pytest
 from train_utils import REPO
 
+import pp_tp
 from pp_tp.config import config_from_dict
 from pp_tp.errors import ConfigError
 
@@ -23,7 +23,6 @@ def _parity_case(name: str, off: float = 0.0) -> tuple[int, str]:
     """Every rank: `pp-tp parity --float64 --steps 2` on a shipped config (exit code, rank 0's output); `off` moves
     one weight the pipeline loads by that relative amount, in float64 (a bug the bound must catch; the build loads
     float64 values as they are)."""
-    import pp_tp
     from pp_tp.cli import parity
 
     build = pp_tp.build_pipeline
@@ -40,7 +39,7 @@ def _parity_case(name: str, off: float = 0.0) -> tuple[int, str]:
     try:
         with contextlib.redirect_stdout(out):
             cfg, steps = parity.parity_job(argv)
-            code = parity.run_parity(cfg, steps, mesh=pu.mesh_for(cfg.parallel))
+            code = parity.run_parity(cfg, steps, mesh=pp_tp.build_mesh(cfg.parallel))
     finally:
         pp_tp.build_pipeline = build
     return code, out.getvalue()
@@ -54,7 +53,7 @@ def _worst(out: str) -> dict[str, float]:
 
 def float64_cases() -> dict[str, tuple[int, str]]:
     """Every config's float64 parity, then debug_cpu with a weight off by 1e-9, in one round trip on the session's
-    meshes (parity_utils.mesh_for)."""
+    meshes (pp_tp.build_mesh)."""
     return {**{name: _parity_case(name) for name in CONFIGS}, "off by 1e-9": _parity_case("debug_cpu", 1e-9)}
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 from one_trip import run_cases
 
+import pp_tp
 from pp_tp.base.tensors import full_tensor
 from pp_tp.cli.parity import run_parity
 from pp_tp.config import load_config
@@ -106,7 +107,7 @@ def test_planted_bugs_fail_and_the_correct_build_passes(four_ranks):
 def shipped_case() -> list[int]:
     """`pp-tp parity`'s per-rank run on every shipped CPU config with its defaults (0: every step passed)."""
     cfgs = [load_config(path, []) for path in SHIPPED]
-    return [run_parity(cfg, 2, mesh=pu.mesh_for(cfg.parallel)) for cfg in cfgs]
+    return [run_parity(cfg, 2, mesh=pp_tp.build_mesh(cfg.parallel)) for cfg in cfgs]
 
 
 def test_every_shipped_cpu_config_passes_parity_with_its_defaults(four_ranks):

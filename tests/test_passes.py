@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+import pp_tp
 from pp_tp.base._torch import is_compiled
 from pp_tp.config import ParallelConfig
 from pp_tp.config.fsdp_policy import FsdpPolicy
@@ -144,7 +145,7 @@ def pass_order_case(order: tuple[str, ...] = ()) -> dict:
     by_name = dict(passes)
     apply.PASSES = tuple((name, recording(name, by_name[name])) for name in (order or [n for n, _ in passes]))
     try:
-        changed = apply.parallelize_stage(stage, pu.mesh_for(pcfg), pcfg, FsdpPolicy.for_rank(pcfg, 0))
+        changed = apply.parallelize_stage(stage, pp_tp.build_mesh(pcfg), pcfg, FsdpPolicy.for_rank(pcfg, 0))
     finally:
         apply.PASSES = passes
     return {

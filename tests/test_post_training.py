@@ -157,7 +157,7 @@ def grpo_case(layouts: list[tuple[str, dict]]) -> dict:
         pcfg = pu.pcfg_of(**kw)
         state = pu.reference_state(args)
         ref = ReferenceRun(pu.reference(state, args).model, pu.adamw(), loss_of=grpo_formula)
-        pipe = pp_tp.build_pipeline(pu.make_model(args, device="meta"), pu.mesh_for(pcfg), pcfg, state_dict=state)
+        pipe = pp_tp.build_pipeline(pu.make_model(args, device="meta"), pp_tp.build_mesh(pcfg), pcfg, state_dict=state)
         run = GrpoRun(pipe, pu.adamw())
         diffs = list(lockstep(run, ref, _grpo_batches(ref.model, args)))
         out[name] = {**pu.summary(diffs), "losses": run.losses}
@@ -245,7 +245,7 @@ def full_state_case(layout: dict, family: str) -> dict:
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=gen))
     want = {k: v.clone() for k, v in model.state_dict().items()}
-    pipe = pp_tp.build_pipeline(copy.deepcopy(model).to("meta"), pu.mesh_for(pcfg), pcfg, state_dict=want)
+    pipe = pp_tp.build_pipeline(copy.deepcopy(model).to("meta"), pp_tp.build_mesh(pcfg), pcfg, state_dict=want)
     shard = max(local_tensor(p).numel() * p.element_size() for part in pipe.model_parts for p in part.parameters())
     names, equal = [], True
     with NewStorage() as mem:

@@ -18,6 +18,7 @@ import torch
 from one_trip import run_cases
 from torch.distributed.pipelining import schedules as torch_schedules
 
+import pp_tp
 from pp_tp.errors import ConfigError
 from pp_tp.schedules.registry import (
     ScheduleSpec,
@@ -182,7 +183,7 @@ def runner_contract_case() -> dict:
     pcfg = pu.pcfg_of(pp=2, schedule="1F1B", microbatches=2)
     state = pu.reference_state(ARGS4)
     model = pu.make_model(ARGS4, device="meta")
-    pipe = pu.pp_tp.build_pipeline(model, pu.mesh_for(pcfg), pcfg, state_dict=state)
+    pipe = pu.pp_tp.build_pipeline(model, pp_tp.build_mesh(pcfg), pcfg, state_dict=state)
     out = {}
     for name, (n, seq) in {"first": (4, 12), "new_shape": (2, 8)}.items():
         ids, labels = pu.batch(ARGS4, n, seq)

@@ -9,6 +9,7 @@ import parity_utils as pu
 import pytest
 import torch
 
+import pp_tp
 from pp_tp.config import ParallelConfig, resolve_parallel
 from pp_tp.errors import ConfigError
 from pp_tp.layout import layout_for
@@ -193,7 +194,7 @@ def test_hf_llama_for_causal_lm_matches(world):
 def memory_and_init_case() -> dict:
     """Each rank allocates only its stages; seeded init equals the single-process init_weights."""
     pcfg = pu.pcfg_of(pp=2, schedule="1F1B", microbatches=2, split="layers_per_stage", layers_per_stage=[1, 3])
-    pipe = pu.pp_tp.build_pipeline(_meta(), pu.mesh_for(pcfg), pcfg, seed=7)
+    pipe = pu.pp_tp.build_pipeline(_meta(), pp_tp.build_mesh(pcfg), pcfg, seed=7)
     ref = Transformer(pu.TINY)
     ref.init_weights(7)
     full = dict(ref.named_parameters())

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 from one_trip import run_cases
-from parity_utils import TINY, assert_parity, batch, compare, make_model, mesh_for, pcfg_of
+from parity_utils import TINY, assert_parity, batch, compare, make_model, pcfg_of
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -213,7 +213,7 @@ ROWS, SEQ = 4, 6  # 4 rows: 1 and 4 microbatches
 def _count_collectives(hf: bool, microbatches: int, vocab_parallel: bool) -> dict:
     args = HF_BIAS if hf else QKB
     pcfg = pcfg_of(tp=2, microbatches=microbatches, **(VOCAB_PAR if vocab_parallel else {}))
-    pipe = pp_tp.build_pipeline(make_model(args, hf, device="meta"), mesh_for(pcfg), pcfg)
+    pipe = pp_tp.build_pipeline(make_model(args, hf, device="meta"), pp_tp.build_mesh(pcfg), pcfg)
     with _CollectiveLog() as log:
         pipe.step(*batch(args, ROWS, SEQ))
     norms = [
@@ -264,7 +264,7 @@ def _shape_errors() -> list[str]:
     for args in (dataclasses.replace(TINY, n_kv_heads=1), dataclasses.replace(TINY, vocab_size=95)):
         pcfg = pcfg_of(tp=2)
         try:
-            pp_tp.build_pipeline(make_model(args, hf=True, device="meta"), mesh_for(pcfg), pcfg)
+            pp_tp.build_pipeline(make_model(args, hf=True, device="meta"), pp_tp.build_mesh(pcfg), pcfg)
         except ConfigError as e:
             errors.append(str(e))
     return errors

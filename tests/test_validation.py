@@ -27,7 +27,7 @@ def eval_case(kw: dict) -> dict:
     out = {}
     for name in SCHEDULES:  # stages_per_rank from the schedule (1, or 2 for multi-stage ones)
         pcfg = pu.pcfg_of(**kw, schedule=name, microbatches=4)
-        pipe = pp_tp.build_pipeline(pu.make_model(device="meta"), pu.mesh_for(pcfg), pcfg, state_dict=state)
+        pipe = pp_tp.build_pipeline(pu.make_model(device="meta"), pp_tp.build_mesh(pcfg), pcfg, state_dict=state)
         mine = (dp_share(pipe.mesh, ids), dp_share(pipe.mesh, labels))
         val = float(pipe.evaluate(*mine))
         no_grads = all(p.grad is None for part in pipe.model_parts for p in part.parameters())
@@ -58,7 +58,9 @@ def train_with_eval_case(with_eval: bool) -> list[float]:
     state = pu.reference_state()
     ids, labels = pu.batch(pu.TINY, 8, 16)
     pcfg = pu.pcfg_of(pp=2, microbatches=4)
-    pipe = pp_tp.build_pipeline(pu.make_model(device="meta"), pu.mesh_for(pcfg), pcfg, state_dict=copy.deepcopy(state))
+    pipe = pp_tp.build_pipeline(
+        pu.make_model(device="meta"), pp_tp.build_mesh(pcfg), pcfg, state_dict=copy.deepcopy(state)
+    )
     opt = torch.optim.AdamW([p for part in pipe.model_parts for p in part.parameters()], lr=1e-2)
     losses = []
     for _ in range(3):
