@@ -16,7 +16,7 @@ from pp_tp.config.fsdp_policy import FsdpPolicy
 from pp_tp.hf_checkpoint import open_checked
 from pp_tp.materialize import build_local_stages
 from pp_tp.parallel.fsdp import grad_factor
-from pp_tp.parallel.mesh import rank_device
+from pp_tp.parallel.mesh import build_on, rank_device
 from pp_tp.preflight import Preflight, PreflightInputs, check_seq_len, preflight
 from pp_tp.preflight.verdict import agreed
 from pp_tp.runtime.boundary import BoundaryShapes, InferredShapes, meta_skeleton
@@ -59,6 +59,7 @@ def build_pipeline(
     one exchange makes every rank refuse together (the same line) or go on together. With `parallel.dtype = "float64"`
     `model` itself is turned float64 first."""
     opts = BuildOptions.of(options, keywords)
+    build_on(mesh)
     if pcfg.dtype == "float64":
         model.to(torch.float64)  # in place, before anything reads it: every floating tensor (integer buffers stay)
         if hasattr(model, "set_experts_implementation"):  # transformers' grouped_mm refuses float64: its eager loop

@@ -6,12 +6,13 @@ values (one per rank) come back to the test. A failing rank's traceback is re-ra
 case that fails or hangs tears the world down so the next case starts from a clean one.
 
 DTensor's sharding-propagation caches live as long as the rank. torch's DeviceMesh equality ignores process groups,
-so a cached output spec computed on one mesh is handed to any later equal mesh; but every mesh a case builds comes
-from pp_tp's `make_mesh` or `parity_utils.flat_mesh`, made once per shape and world (pp_tp/base/per_world.py), so an
-equal mesh is the same mesh with the same groups. torchtitan's Trainer builds its meshes itself: a spec handed from
-one of them to an equal later one runs the same collective over the same ranks, on the earlier groups. (When the
-tests built a new mesh per case, a ledger counting one case's TP all-reduces saw 8 of 16 after test_context_parallel
-had run, so the caches were emptied after every case.)
+so a cached output spec computed on one mesh is handed to any later equal mesh. Every mesh a case builds comes from
+pp_tp's `make_mesh` or `parity_utils.flat_mesh`, made once per shape and world (pp_tp/base/per_world.py), but the
+submeshes of two shapes can still be equal (the "tp" of pp2 x tp2 and of pp1 x dp2 x tp2 over the same ranks), so
+every build on another mesh than the last one empties the caches first (pp_tp/parallel/mesh.py `build_on`; before it,
+test_nonlm's TP ledger counted 0 all-reduces after test_dropout_rng's pp1 x dp2 x tp2 case, in the order two
+`--dist loadfile` workers ran them). torchtitan's Trainer builds its meshes itself: a spec handed from one of them to
+an equal later one runs the same collective over the same ranks, on the earlier groups.
 
 Between its cases a world is stopped (SIGSTOP, `pause`): every gloo process group keeps a transport thread that
 wakes about every 10 ms even when idle, and with tens of groups per rank and several worlds alive, idle ranks

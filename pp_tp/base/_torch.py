@@ -59,6 +59,13 @@ def flatten_mesh_dims(mesh: Any, dims: tuple[str, ...], name: str) -> None:
     mesh[dims]._flatten(name)
 
 
+def forget_sharding_specs() -> None:
+    """Empties DTensor's sharding-propagation caches (torch has no public call for it)."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+
+
 def swap_parameters(module: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     """Puts plain tensors where `module`'s parameters are (an experts module reads its local shards); returns what
     was there, for the way back. Public replacement: torch.func.functional_call, which would call the module

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from pp_tp.base._torch import flatten_mesh_dims
+from pp_tp.base._torch import flatten_mesh_dims, forget_sharding_specs
 from pp_tp.base.per_world import once_per_world
 from pp_tp.config import ParallelConfig, check_ep, resolve_dp_shard
 from pp_tp.errors import ConfigError
@@ -128,6 +128,20 @@ def make_mesh(device: str, pcfg: ParallelConfig, world_size: int) -> DeviceMesh:
         return mesh
 
     return once_per_world(("mesh", device, shape, names), make)
+
+
+_LAST_BUILT_ON: list[DeviceMesh | None] = [None]  # the mesh of this process's last build
+
+
+def build_on(mesh: DeviceMesh) -> None:
+    """Called by every build before its first DTensor op: DTensor caches an op's output spec, mesh included, under a
+    key that compares meshes by ranks and dim names, not by process group, and the "tp" submeshes of pp2 x tp2 and of
+    pp1 x dp2 x tp2 over the same ranks are equal. A build after one on the other mesh took 6 of its 7 parameters onto
+    the first one's tp group (same ranks, so the same values; test_nonlm's CREDIT after its pp1 x dp2 x tp2 case). So
+    a build on another mesh than the last one starts from empty caches."""
+    if _LAST_BUILT_ON[0] is not mesh:
+        forget_sharding_specs()
+        _LAST_BUILT_ON[0] = mesh
 
 
 def dp_rank(mesh: DeviceMesh) -> int:
