@@ -13,6 +13,7 @@ import parity_utils as pu
 import pytest
 import torch
 from one_trip import run_cases
+from torch.distributed.tensor import DTensor, Replicate
 
 import pp_tp
 from pp_tp.base.tensors import full_tensor
@@ -64,6 +65,27 @@ def _bias_twice(pipe) -> int:
     return hooks
 
 
+def _astray(pipe) -> str:
+    """Planted bug: on tp rank 1 only, a replicated parameter's gradient is 1.5x after each backward (one replica off:
+    its own rank must judge it). Returns the parameter's name."""
+    name, param = next(
+        (n, p)
+        for part in pipe.model_parts
+        for n, p in part.named_parameters()
+        if not isinstance(p, DTensor) or p.placements == (Replicate(),)
+    )
+    step = pipe.step
+
+    def astray(*batch):
+        loss = step(*batch)
+        if pipe.mesh.get_local_rank("tp") == 1:
+            (param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad).mul_(1.5)
+        return loss
+
+    pipe.step = astray
+    return name
+
+
 def planted_case() -> dict:
     """pp2 x tp2, the reference model with biases: the correct build over two steps (its references stepped on one
     rank and mirrored, then on every rank), then each planted bug over one; the worst score each."""
@@ -72,17 +94,23 @@ def planted_case() -> dict:
     state = pu.reference_state(args)
     ids, labels = pu.batch(args, 8, 16)
     out = {}
-    for bug in ("none", "unshared", "dropped_microbatch", "bias_twice"):
+    for bug in ("none", "unshared", "dropped_microbatch", "bias_twice", "astray"):
         run = pu.pipeline(pcfg, copy.deepcopy(state), args)
         if bug == "dropped_microbatch":
             run.pipe._loss.__class__ = DropFirstMicrobatch
         if bug == "bias_twice":
             out["hooks"] = _bias_twice(run.pipe)
+        if bug == "astray":
+            out["astray"], out["tp_rank"] = _astray(run.pipe), run.pipe.mesh.get_local_rank("tp")
         ref = pu.reference(state, args)
         steps = 2 if bug in ("none", "unshared") else 1  # a planted bug is off by far more from the first step
         batches = [(ids, labels)] * steps
         diffs = list(lockstep(PipelineRun(run.pipe, pu.adamw()), ref, batches, shared=bug != "unshared"))
-        out[bug] = {**pu.summary(diffs), "ref_grads": ref.grads(), "ref_params": ref.params()}
+        out[bug if bug != "astray" else "astray_run"] = {
+            **pu.summary(diffs),
+            "ref_grads": ref.grads(),
+            "ref_params": ref.params(),
+        }
     return out
 
 
@@ -97,6 +125,9 @@ def test_planted_bugs_fail_and_the_correct_build_passes(four_ranks):
         pu.assert_passes(r["none"])
         assert r["dropped_microbatch"]["scores"]["grads"] > 100, r["dropped_microbatch"]
         assert r["hooks"] == 2 and r["bias_twice"]["scores"]["loss"] > 100, r["bias_twice"]
+        # a replica off on its own rank fails there, and only there (the others' copies are right)
+        astray = r["astray_run"]["scores"]["grads"]
+        assert astray > 100 if r["tp_rank"] == 1 else astray <= 1.0, (r["astray"], r["tp_rank"], r["astray_run"])
         # the references stepped on one rank and mirrored (pp_tp/parity/shared.py) judge as when every rank steps them
         shared, unshared = r["none"], r["unshared"]
         assert shared["scores"] == unshared["scores"], (shared["scores"], unshared["scores"])

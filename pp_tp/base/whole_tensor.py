@@ -35,7 +35,7 @@ def whole_tensor(t: torch.Tensor) -> torch.Tensor:
     }
     limit = max(math.prod(sum(n for _, n in runs) for runs in b) for b in blocks.values())  # one shard, the largest
     out = torch.empty(shape, dtype=t.dtype, device=local.device)
-    for box, at in _boxes(blocks[me]):
+    for box, at in boxes(blocks[me]):
         out[box].copy_(local[at])
     done: list[int] = []
     for axis in _order(placements):
@@ -54,7 +54,7 @@ def _order(placements: tuple) -> list[int]:
     return sorted(sharded, key=lambda a: (-placements[a].dim, not isinstance(placements[a], StridedShard), -a))
 
 
-def _boxes(runs: tuple) -> list[tuple[Box, Box]]:
+def boxes(runs: tuple) -> list[tuple[Box, Box]]:
     """A block (index runs per dim) as boxes: (where in the global tensor, where in the block's local tensor)."""
     per_dim = []
     for dim_runs in runs:
@@ -71,9 +71,9 @@ def _region(blocks: dict, me: tuple, axis: int, src: int, done: list[int]) -> li
     coordinate that equals it off `done`; one box when together they are one (the usual case), else each block's."""
     keep = [a for a in range(len(me)) if a != axis and a not in done]
     held = [y for y in blocks if y[axis] == src and all(y[a] == me[a] for a in keep)]
-    boxes = [box for y in held for box, _ in _boxes(blocks[y])]
-    hull = tuple(slice(min(b[d].start for b in boxes), max(b[d].stop for b in boxes)) for d in range(len(boxes[0])))
-    return [hull] if _numel(hull) == sum(map(_numel, boxes)) else boxes
+    parts = [box for y in held for box, _ in boxes(blocks[y])]
+    hull = tuple(slice(min(b[d].start for b in parts), max(b[d].stop for b in parts)) for d in range(len(parts[0])))
+    return [hull] if _numel(hull) == sum(map(_numel, parts)) else parts
 
 
 def _numel(box: Box) -> int:

@@ -35,9 +35,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from pp_tp.base.forward import without_cache
-from pp_tp.base.tensors import full_tensor, persistent_buffers
+from pp_tp.base.tensors import persistent_buffers
 from pp_tp.parallel.grads import clip_grad_norm_
-from pp_tp.parallel.mesh import dp_rank, dp_size
+from pp_tp.parallel.mesh import dp_rank, dp_size, rank_device
+from pp_tp.parity.assembled import Assembled, Key
 from pp_tp.parity.shared import load_on, owners, step_on
 from pp_tp.parity.widen import Float64Throughout
 from pp_tp.runtime.loss import SumLoss, target_count
@@ -169,8 +170,8 @@ class ReferenceRun:
 
 class PipelineRun:
     """The pipelined build: the same steps, each rank on its DP share, clipping with pp_tp's clip_grad_norm_.
-    `grads` and `params` are full values (gathered where TP or FSDP shard them) under the stages' local names;
-    `keys` maps those to the model's canonical names (a tied copy to its weight)."""
+    `grads` and `params` are whole values (assembled where TP or FSDP shard them, pp_tp/parity/assembled.py) under
+    the stages' local names; `keys` maps those to the model's canonical names (a tied copy to its weight)."""
 
     def __init__(self, pipe: Pipeline, make_optimizer: MakeOptimizer, max_norm: float | None = None):
         self.pipe, self.max_norm, self.make_optimizer = pipe, max_norm, make_optimizer
@@ -178,6 +179,7 @@ class PipelineRun:
         self.keys = {k: part.checkpoint_keys[k] for part in pipe.model_parts for k, _ in part.named_parameters()}
         self.losses: list[float] = []
         self.norms: list[float] = []
+        self._assembled: Assembled | None = None
 
     @property
     def floor(self) -> float:
@@ -194,11 +196,28 @@ class PipelineRun:
         self.losses.append(loss)
         return loss
 
+    def _named(self) -> dict[str, nn.Parameter]:
+        return {k: p for part in self.pipe.model_parts for k, p in part.named_parameters()}
+
+    @property
+    def assembled(self) -> Assembled:
+        """Laid out on first use: a collective over the world, which the pipeline's mesh must cover."""
+        if self._assembled is None:
+            mesh = self.pipe.mesh
+            if mesh.size() != dist.get_world_size():
+                raise ValueError(f"parity judges a pipeline on the whole world: its mesh has {mesh.size()} ranks")
+            self._assembled = Assembled(self._named(), self.keys, mesh.get_local_rank("pp"), rank_device(mesh))
+        return self._assembled
+
     def grads(self) -> dict[str, torch.Tensor]:
-        return {k: full_tensor(p.grad) for part in self.pipe.model_parts for k, p in part.named_parameters()}
+        return self.assembled.own(self.assembled.every({k: p.grad for k, p in self._named().items()}))
+
+    def every_param(self) -> dict[Key, torch.Tensor]:
+        """Every pp rank's whole parameters, by (pp rank, local name)."""
+        return self.assembled.every(self._named())
 
     def params(self) -> dict[str, torch.Tensor]:
-        return {k: full_tensor(p).detach() for part in self.pipe.model_parts for k, p in part.named_parameters()}
+        return self.assembled.own(self.every_param())
 
     def buffers(self) -> dict[str, torch.Tensor]:
         return {k: b for part in self.pipe.model_parts for k, b in persistent_buffers(part).items()}
@@ -313,20 +332,10 @@ class StepInFloat64:
         return {k: p.detach() for k, p in self.params.items()}
 
 
-def _whole_model(run: PipelineRun, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`params` (this rank's stages, local names) of every pp rank, by canonical name, on every rank: the
-    references are whole models."""
-    mine = {run.keys[k]: p.cpu() for k, p in params.items()}
-    group = run.pipe.mesh.get_group("pp")
-    every: list[dict[str, torch.Tensor]] = [{} for _ in range(dist.get_world_size(group))]
-    dist.all_gather_object(every, mine, group=group)
-    return {k: v for part in every for k, v in part.items()}
-
-
 @dataclass(frozen=True)
 class _Gathered:
-    """The pipeline's full gradients, parameters and buffers after a step, gathered once (full_tensor is a
-    collective) for every comparison of that step."""
+    """The pipeline's whole gradients, parameters and buffers after a step, assembled once (a collective) for every
+    comparison of that step."""
 
     grads: dict[str, torch.Tensor]
     params: dict[str, torch.Tensor]
@@ -354,21 +363,23 @@ def lockstep(
     global batch (ids, labels, *extra) and judges them after each step. `shared`: each reference steps on one rank
     and is mirrored on the others (pp_tp/parity/shared.py); False for a caller that reads a reference model's
     optimizer state or non-persistent buffers afterwards."""
-    params = run.params()  # views of the live parameters where unsharded: copied below before each step
+    every = run.every_param()  # new tensors: the live parameters change under them only by a later assembly
+    params = run.assembled.own(every)
     truth, redo = ref.in_float64(), StepInFloat64(run.make_optimizer, params)
     mine, true_owner = owners(shared and run.pipe.mesh.size() == dist.get_world_size())
     loaded = judge(params, None, ref.params(), run.keys, run.floor)  # the pipeline holds the model's weights
     for i, batch in enumerate(batches):
-        before = {k: p.to(torch.float64, copy=True) for k, p in params.items()}
+        before = params
         if i:  # from the pipeline's parameters (module docstring: fp32 trajectories part at random)
-            state = _whole_model(run, before)
+            state = {k: p.cpu() for k, p in run.assembled.canonical(every).items()}
             load_on(mine, ref, state)
             load_on(true_owner, truth, state)
         got = run.step(*batch)
         step_on(((mine, ref), (true_owner, truth)), batch)
         want, true = ref.losses[-1], truth.losses[-1]
-        after = _Gathered(run.grads(), run.params(), run.buffers())
-        params = after.params
+        every = run.every_param()
+        params = run.assembled.own(every)
+        after = _Gathered(run.grads(), params, run.buffers())
         judged = _judge_step(run, after, ref, truth, redo.take(before, after.grads))
         if not i:
             judged["params"] = max(judged["params"], loaded, key=lambda j: j.score)
