@@ -6,7 +6,8 @@ holds them) into one float64 buffer laid out for every pp rank's tensors, zeros 
 it: each element is one rank's value plus zeros, so the result is exact (float64 holds every narrower float), and
 every rank gets the whole model. Then each rank writes its own blocks back over the sum: a replica that went astray
 is judged on its own rank, as a per-rank `full_tensor` judged it. A block is what `block_runs` says a rank holds, as
-`whole_tensor` cuts it (a `_StridedShard` block included).
+`whole_tensor` cuts it (a `_StridedShard` block included). The buffer is the whole model in float64 on each rank's
+device, where every rank already holds the two whole references (the plain fp32 model and its float64 copy).
 """
 
 from __future__ import annotations
