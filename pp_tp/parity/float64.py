@@ -15,7 +15,6 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from pp_tp.base.tensors import persistent_buffers
@@ -77,7 +76,7 @@ def lockstep_float64(
     if dtypes != {torch.float64}:
         raise ValueError(f"lockstep_float64 compares float64 builds; the parameters are {sorted(map(str, dtypes))}")
     ref.widen = widen  # the reference widens its own steps (lockstep.ReferenceRun)
-    owner, _ = owners(run.pipe.mesh.size() == dist.get_world_size())
+    owner, _ = owners(shared=True)
     loaded = _worst(run.params(), ref.params(), run.keys)
     for i, batch in enumerate(batches):
         with Float64Throughout() if widen else contextlib.nullcontext():

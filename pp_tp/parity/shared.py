@@ -33,11 +33,11 @@ class ReferenceRun(Protocol):
     def buffers(self) -> dict[str, torch.Tensor]: ...
 
 
-def owners(world_covered: bool) -> tuple[int | None, int | None]:
+def owners(shared: bool) -> tuple[int | None, int | None]:
     """The ranks stepping the fp32 and the float64 reference (two, so they step at once); None (every rank steps it
-    itself) in a world of one rank or where the pipeline's mesh does not cover the whole world (then not every rank
-    takes part)."""
-    if not world_covered or not dist.is_initialized() or dist.get_world_size() < 2:
+    itself) without `shared` or in a world of one rank. Every rank takes part: lockstep judges pipelines whose mesh
+    covers the world (`PipelineRun.assembled`)."""
+    if not shared or not dist.is_initialized() or dist.get_world_size() < 2:
         return None, None
     return 1, 0
 
