@@ -49,15 +49,13 @@ class Assembled:
             self.offsets[key], self.total = self.total, self.total + math.prod(shape)
         self.pp_rank, self.device = pp_rank, device
         self.specs = {n: (t.device_mesh, t.placements) for n, t in tensors.items() if isinstance(t, DTensor)}
-        holder = torch.full((self.total,), math.inf, dtype=torch.float64, device=device)
-        for n, t in tensors.items():
-            for g, _ in _blocks(t):
-                self._whole(holder, (pp_rank, n))[g] = dist.get_rank()
+        self.held = [(n, g, loc) for n, t in tensors.items() for g, loc in _blocks(t)]
+        rank, holder = dist.get_rank(), torch.full((self.total,), math.inf, dtype=torch.float64, device=device)
+        for n, g, _ in self.held:
+            self._whole(holder, (pp_rank, n))[g] = rank
         dist.all_reduce(holder, op=dist.ReduceOp.MIN)
-        held = [(n, g, loc) for n, t in tensors.items() for g, loc in _blocks(t)]
-        first = [bool((self._whole(holder, (pp_rank, n))[g] == dist.get_rank()).all()) for n, g, _ in held]
-        self.writes = [w for w, is_first in zip(held, first, strict=True) if is_first]
-        self.held = held
+        first = [bool((self._whole(holder, (pp_rank, n))[g] == rank).all()) for n, g, _ in self.held]
+        self.writes = [block for block, is_first in zip(self.held, first, strict=True) if is_first]
 
     def _whole(self, flat: torch.Tensor, key: Key) -> torch.Tensor:
         shape = self.shapes[key][0]
