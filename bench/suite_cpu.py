@@ -94,8 +94,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     row = dict(
         id=item.nodeid,
         wall=time.perf_counter() - t0,
-        own=own1.ru_utime + own1.ru_stime - own0.ru_utime - own0.ru_stime,
-        children=kids1.ru_utime + kids1.ru_stime - kids0.ru_utime - kids0.ru_stime,
+        own=(own1.ru_utime - own0.ru_utime) + (own1.ru_stime - own0.ru_stime),
+        children=(kids1.ru_utime - kids0.ru_utime) + (kids1.ru_stime - kids0.ru_stime),
         ranks={f"{size}{kind}": round(v, 2) for (size, kind), v in _RANKS.used.items() if v},
     )
     _FILE[0].write(json.dumps(row) + "\n")
