@@ -55,6 +55,11 @@ class RankCpu:
                 self.used[(world.world_size, "s")] += now[1] - before[1]
                 self.last[p.pid] = now
 
+    def forget(self, world: Any) -> None:
+        """Drops a leaving world's ranks, so a later process the OS gives one of their pids starts from zero."""
+        for p in world._procs:
+            self.last.pop(p.pid, None)
+
     def sample_all(self) -> None:
         import conftest
 
@@ -79,6 +84,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
 
         def counted_leave(world: Any) -> None:  # a world's ranks are sampled before they go
             _RANKS.sample(world)
+            _RANKS.forget(world)
             leave(world)
 
         harness.World._leave = counted_leave
