@@ -5,12 +5,12 @@
 
 Wall time on this machine moves by 10-30 % from one run to the next (BENCHMARKS.md, "Suite time"), and a test on a
 shared world reads slower while the other pytest-xdist worker runs. CPU seconds do not depend on what shares the
-cores (they still follow the machine's own speed), so per test
-this writes one JSON line to `$SUITE_CPU_DIR` (default /tmp/suite_cpu) with: `own`, the test process's CPU;
-`children`, the CPU of processes it started and reaped (launched jobs); `ranks`, by world size and user/system,
-the CPU its session worlds' ranks used (read from /proc before the test, after it, and before a world's ranks leave,
-so a world recycled after a case still counts; tests/harness.py). Ranks are the forkserver's children, not the test
-process's, so getrusage cannot see them. The forkserver's own import is not counted.
+cores (they still follow the machine's own speed), so per test this writes one JSON line to `$SUITE_CPU_DIR`
+(default /tmp/suite_cpu) with: `own`, the test process's CPU; `children`, the CPU of processes it started and reaped
+(launched jobs); `ranks`, by world size and user/system, the CPU its session worlds' ranks used (read from /proc
+before the test, after it, and before a world's ranks leave, so a world recycled after a case still counts;
+tests/harness.py). Ranks are the forkserver's children, not the test process's, so getrusage cannot see them. The
+forkserver's own import is not counted.
 """
 
 from __future__ import annotations
