@@ -363,7 +363,7 @@ def lockstep(
     global batch (ids, labels, *extra) and judges them after each step. `shared`: each reference steps on one rank
     and is mirrored on the others (pp_tp/parity/shared.py); False for a caller that reads a reference model's
     optimizer state or non-persistent buffers afterwards."""
-    every = run.every_param()  # new tensors: the live parameters change under them only by a later assembly
+    every = run.every_param()  # new tensors, not views of the live parameters: the optimizer steps leave them be
     params = run.assembled.own(every)
     truth, redo = ref.in_float64(), StepInFloat64(run.make_optimizer, params)
     mine, true_owner = owners(shared)
