@@ -29,6 +29,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import queue
+import random
 import signal
 import socket
 import time
@@ -71,10 +72,24 @@ class RankError(AssertionError):
 
 
 def _free_port() -> int:
-    """A port free now, for a process that binds it itself (a torchrun-less job's rank 0)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, for a process that binds it itself (a torchrun-less job's rank 0). It lies below the kernel's
+    ephemeral range: a port from inside it (bind to 0) can be taken by any process's outgoing connection, such as a
+    gloo world's, before the job binds it (seen in CI as EADDRINUSE)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except OSError:
+        low = 32768
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(100):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below the ephemeral range (starts at {low})")
 
 
 def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 
 import torch.distributed as dist
@@ -82,11 +81,9 @@ def export(cfg: JobConfig, out: str, step: int | None = None, max_shard_size: in
 
 
 def _single_process_env() -> None:
-    """A one-rank world for `pp-tp export` outside torchrun."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    """A one-rank world for `pp-tp export` outside torchrun. Port 0: the store binds a free port itself, where a port
+    picked and released first can be taken by another process's connection before the store binds it."""
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
 
 
 def main(argv: list[str] | None = None) -> int:
