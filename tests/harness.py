@@ -80,7 +80,7 @@ def _free_port() -> int:
             low = int(f.read().split()[0])
     except OSError:
         low = 32768
-    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    rng = random.Random()  # seeded from the OS: two test processes do not walk the same ports
     for _ in range(100):
         port = rng.randrange(max(1024, low - 12000), low)
         with socket.socket() as s:
